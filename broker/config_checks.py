@@ -1,0 +1,47 @@
+"""Small validators shared by the services' config dataclasses.
+
+Each raises ``ValueError`` with a message that names the setting and says what
+to change, so a bad value fails at start, not an hour into a run.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+
+_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_id(name: str, value: str) -> None:
+    require(
+        isinstance(value, str) and bool(_ID_RE.match(value)),
+        f"{name}={value!r}: use 1-64 characters from A-Z a-z 0-9 . _ : -",
+    )
+
+
+def check_choice(name: str, value: str, choices: Collection[str]) -> None:
+    require(value in choices, f"{name}={value!r}: choose one of {sorted(choices)}")
+
+
+def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    require(ok, f"{name}={value!r}: must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def check_endpoint(name: str, value: str) -> None:
+    require(
+        isinstance(value, str) and bool(re.match(r"^tcp://[^:/]+:\d{1,5}$", value)),
+        f"{name}={value!r}: use tcp://HOST:PORT",
+    )
+
+
+def check_redis_url(name: str, value: str) -> None:
+    require(
+        isinstance(value, str) and value.startswith(("redis://", "rediss://", "unix://")),
+        f"{name}={value!r}: use redis://[user:password@]HOST:PORT/DB",
+    )

@@ -1,0 +1,283 @@
+"""Wire format: one self-checking frame per message.
+
+    magic "DDL1" | header_len u32 | payload_len u32 | header | payload | crc32 u32
+
+All integers little endian. The header is a msgpack map holding the schema
+version, the message kind and its metadata; the payload holds raw tensor
+bytes (already encoded by a codec). Nothing is pickled. Every size is checked
+against a limit before anything is allocated or unpacked, the checksum is
+verified before the header is parsed, and every field is type- and
+range-checked afterwards. Any failure raises :class:`WireError` with a short
+machine-readable ``reason`` that services use as a metrics label.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+import zlib
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from broker.codecs import Codec, CodecError
+
+SCHEMA_VERSION = 1
+MAGIC = b"DDL1"
+_PREFIX = struct.Struct("<4sII")
+_CRC = struct.Struct("<I")
+MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+MAX_ID_LEN = 64
+MAX_LIST_LEN = 4096
+_U63 = 2**63 - 1
+_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_HASH_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+class WireError(ValueError):
+    """A frame that cannot be accepted; ``reason`` names why (for metrics)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# -- field checks -----------------------------------------------------------
+def _check_id(name: str, v: Any) -> None:
+    if not isinstance(v, str) or not _ID_RE.match(v):
+        raise WireError("bad_field", f"{name} must be 1-64 chars of [A-Za-z0-9._:-]")
+
+
+def _check_uint(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _U63:
+        raise WireError("bad_field", f"{name} must be an integer in [0, 2^63)")
+
+
+def _check_time(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise WireError("bad_field", f"{name} must be a finite non-negative number")
+
+
+def _check_hash(name: str, v: Any) -> None:
+    if not isinstance(v, str) or not _HASH_RE.match(v):
+        raise WireError("bad_field", f"{name} must be 16 lowercase hex digits")
+
+
+def _check_uint_list(name: str, v: Any) -> None:
+    if not isinstance(v, list) or len(v) > MAX_LIST_LEN:
+        raise WireError("bad_field", f"{name} must be a list of at most {MAX_LIST_LEN} integers")
+    for x in v:
+        _check_uint(name, x)
+
+
+def _check_codec(name: str, v: Any) -> None:
+    try:
+        Codec.parse(v)
+    except CodecError as e:
+        raise WireError("bad_codec", str(e)) from None
+
+
+_CHECKS = {
+    "run_id": _check_id,
+    "learner_id": _check_id,
+    "incarnation": _check_uint,
+    "seq": _check_uint,
+    "fragment": _check_uint,
+    "plan_hash": _check_hash,
+    "base_version": _check_uint,
+    "version": _check_uint,
+    "step": _check_uint,
+    "c_steps": _check_uint,
+    "c_tokens": _check_uint,
+    "tokens": _check_uint,
+    "numel": _check_uint,
+    "sent_at": _check_time,
+    "step_time_s": _check_time,
+    "codec": _check_codec,
+    "seqs": _check_uint_list,
+    "fragments": _check_uint_list,
+}
+
+
+# -- messages ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Message:
+    KIND: ClassVar[str] = ""
+
+    def validate(self) -> None:
+        for f in fields(self):
+            if f.name != "payload":
+                _CHECKS[f.name](f.name, getattr(self, f.name))
+
+
+@dataclass(frozen=True)
+class _TensorMessage(Message):
+    codec: str = "fp32"
+    numel: int = 0
+    payload: bytes = field(default=b"", repr=False)
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.payload, (bytes, bytearray, memoryview)):
+            raise WireError("bad_field", "payload must be bytes")
+        codec = Codec.parse(self.codec)
+        expected = codec.quantised_size(self.numel)
+        if expected > DEFAULT_MAX_PAYLOAD_BYTES:
+            raise WireError("too_large", f"{self.numel} values decode past the payload limit")
+        if codec.lossless == "none" and len(self.payload) != expected:
+            raise WireError(
+                "bad_size", f"{self.codec} payload of {self.numel} values must be {expected} bytes"
+            )
+
+    def tensor(self) -> Any:
+        """Decode the payload to a flat fp32 tensor."""
+        try:
+            return Codec.parse(self.codec).decode(bytes(self.payload), self.numel)
+        except CodecError as e:
+            raise WireError("bad_payload", str(e)) from None
+
+
+@dataclass(frozen=True)
+class Delta(_TensorMessage):
+    """A learner's pseudo-gradient for one fragment: Theta(base) - theta_local."""
+
+    KIND: ClassVar[str] = "delta"
+    run_id: str = ""
+    learner_id: str = ""
+    incarnation: int = 0  # distinguishes restarts of the same learner id
+    seq: int = 0  # per (learner, incarnation), strictly increasing
+    fragment: int = 0
+    plan_hash: str = ""
+    base_version: int = 0
+    step: int = 0
+    c_steps: int = 0
+    c_tokens: int = 0
+    sent_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class GlobalFragment(_TensorMessage):
+    """The syncer's new global weights of one fragment."""
+
+    KIND: ClassVar[str] = "global"
+    run_id: str = ""
+    fragment: int = 0
+    plan_hash: str = ""
+    version: int = 0
+    sent_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    KIND: ClassVar[str] = "heartbeat"
+    run_id: str = ""
+    learner_id: str = ""
+    incarnation: int = 0
+    step: int = 0
+    tokens: int = 0
+    step_time_s: float = 0.0
+    sent_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    """Syncer -> learner: these delta sequence numbers are durably handled."""
+
+    KIND: ClassVar[str] = "ack"
+    run_id: str = ""
+    learner_id: str = ""
+    incarnation: int = 0
+    seqs: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SnapshotRequest(Message):
+    """Learner -> syncer: send the latest global of these fragments (empty: all)."""
+
+    KIND: ClassVar[str] = "snapshot_request"
+    run_id: str = ""
+    learner_id: str = ""
+    fragments: list[int] = field(default_factory=list)
+
+
+KINDS: dict[str, type[Message]] = {
+    cls.KIND: cls for cls in (Delta, GlobalFragment, Heartbeat, Ack, SnapshotRequest)
+}
+
+
+# -- encode / decode --------------------------------------------------------
+def encode(msg: Message, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> bytes:
+    msg.validate()
+    header: dict[str, Any] = {"v": SCHEMA_VERSION, "k": msg.KIND}
+    payload = b""
+    for f in fields(msg):
+        if f.name == "payload":
+            payload = bytes(getattr(msg, "payload"))
+        else:
+            header[f.name] = getattr(msg, f.name)
+    head = msgpack.packb(header, use_bin_type=True)
+    if len(head) > MAX_HEADER_BYTES:
+        raise WireError("too_large", f"header of {len(head)} bytes")
+    if len(payload) > max_payload_bytes:
+        raise WireError("too_large", f"payload of {len(payload)} > {max_payload_bytes} bytes")
+    body = _PREFIX.pack(MAGIC, len(head), len(payload)) + head + payload
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode(data: bytes | bytearray | memoryview, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Message:
+    """Decode and validate one frame, or raise :class:`WireError`."""
+    view = memoryview(data).cast("B")
+    if len(view) < _PREFIX.size + _CRC.size:
+        raise WireError("truncated", f"{len(view)} bytes")
+    magic, head_len, payload_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise WireError("bad_magic")
+    if head_len > MAX_HEADER_BYTES:
+        raise WireError("too_large", f"header of {head_len} bytes")
+    if payload_len > max_payload_bytes:
+        raise WireError("too_large", f"payload of {payload_len} > {max_payload_bytes} bytes")
+    total = _PREFIX.size + head_len + payload_len + _CRC.size
+    if len(view) != total:
+        raise WireError("truncated" if len(view) < total else "trailing_bytes", f"{len(view)} != {total}")
+    (crc,) = _CRC.unpack_from(view, total - _CRC.size)
+    if zlib.crc32(view[: total - _CRC.size]) != crc:
+        raise WireError("bad_checksum")
+    head_start = _PREFIX.size
+    try:
+        header = msgpack.unpackb(
+            view[head_start : head_start + head_len],
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_HEADER_BYTES,
+            max_bin_len=0,
+            max_array_len=MAX_LIST_LEN,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises several unrelated types
+        raise WireError("bad_header", f"{type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise WireError("bad_header", "header is not a map")
+    if header.get("v") != SCHEMA_VERSION:
+        raise WireError("bad_schema_version", repr(header.get("v"))[:32])
+    cls = KINDS.get(header.get("k"))  # type: ignore[arg-type]
+    if cls is None:
+        raise WireError("unknown_kind", repr(header.get("k"))[:32])
+    names = {f.name for f in fields(cls)} - {"payload"}
+    if set(header) - {"v", "k"} != names:
+        raise WireError("bad_header", f"{cls.KIND} fields do not match the schema")
+    kwargs = {n: header[n] for n in names}
+    if "payload" in {f.name for f in fields(cls)}:
+        kwargs["payload"] = bytes(view[head_start + head_len : total - _CRC.size])
+    elif payload_len:
+        raise WireError("bad_header", f"{cls.KIND} carries no payload")
+    msg = cls(**kwargs)
+    msg.validate()
+    if isinstance(msg, _TensorMessage):
+        decoded = Codec.parse(msg.codec).quantised_size(msg.numel)
+        if decoded > max_payload_bytes:
+            raise WireError("too_large", f"payload decodes to {decoded} > {max_payload_bytes} bytes")
+    return msg

@@ -1,0 +1,169 @@
+"""Fragment plan: how a model is cut into P fragments that sync at staggered steps.
+
+Learner and syncer must agree on the plan bit for bit, so it is computed only
+from the model's parameter names, shapes and dtypes (never from values or from
+dict ordering that could differ between processes) and identified by a hash
+that every message carries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+def param_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
+    """Specs of a model's parameters, e.g. ``param_specs(model.named_parameters())``."""
+    return [
+        ParamSpec(name, tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."))
+        for name, t in named
+    ]
+
+
+def assign_fragments(sizes: Sequence[int], num_fragments: int) -> list[int]:
+    """Greedy longest-processing-time bin packing.
+
+    Tensors go largest first (ties broken by position, so the result is
+    deterministic) to the currently lightest fragment (ties: lowest index).
+    The classic bound applies: when no tensor exceeds a third of the ideal
+    fragment size, the largest fragment is within 4/3 of the ideal.
+    Returns the fragment index of each tensor.
+    """
+    if num_fragments < 1:
+        raise ValueError(f"num_fragments must be >= 1, got {num_fragments}")
+    if len(sizes) < num_fragments:
+        raise ValueError(
+            f"cannot cut {len(sizes)} tensors into {num_fragments} fragments; "
+            f"use at most {len(sizes)} fragments"
+        )
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    loads = [0] * num_fragments
+    counts = [0] * num_fragments
+    owner = [0] * len(sizes)
+    remaining = len(sizes)
+    for i in order:
+        empty = [p for p in range(num_fragments) if counts[p] == 0]
+        # Every fragment must get at least one tensor: once the tensors left
+        # are only just enough for the empty fragments, fill those first.
+        candidates = empty if len(empty) >= remaining else range(num_fragments)
+        p = min(candidates, key=lambda q: (loads[q], q))
+        owner[i] = p
+        loads[p] += sizes[i]
+        counts[p] += 1
+        remaining -= 1
+    return owner
+
+
+@dataclass(frozen=True)
+class FragmentPlan:
+    """Which parameters form each fragment, and when each fragment syncs."""
+
+    specs: tuple[ParamSpec, ...]
+    owner: tuple[int, ...]  # fragment index of each spec
+    num_fragments: int
+    sync_every: int  # H: inner steps between two syncs of the same fragment
+
+    @classmethod
+    def build(
+        cls, specs: Sequence[ParamSpec], num_fragments: int, sync_every: int | None = None
+    ) -> FragmentPlan:
+        sync_every = num_fragments if sync_every is None else sync_every
+        if sync_every < 1 or sync_every % num_fragments != 0:
+            raise ValueError(
+                f"sync_every (H={sync_every}) must be a positive multiple of the number "
+                f"of fragments (P={num_fragments})"
+            )
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("parameter names must be unique")
+        owner = assign_fragments([s.nbytes for s in specs], num_fragments)
+        return cls(tuple(specs), tuple(owner), num_fragments, sync_every)
+
+    @classmethod
+    def for_model(
+        cls, model: torch.nn.Module, num_fragments: int, sync_every: int | None = None
+    ) -> FragmentPlan:
+        return cls.build(param_specs(model.named_parameters()), num_fragments, sync_every)
+
+    # -- structure -------------------------------------------------------
+    def fragment_specs(self, fragment: int) -> list[ParamSpec]:
+        """The fragment's parameters, in model order (the flattening order)."""
+        return [s for s, p in zip(self.specs, self.owner, strict=True) if p == fragment]
+
+    def fragment_numel(self, fragment: int) -> int:
+        return sum(s.numel for s in self.fragment_specs(fragment))
+
+    def fragment_nbytes(self, fragment: int) -> int:
+        return sum(s.nbytes for s in self.fragment_specs(fragment))
+
+    @property
+    def plan_hash(self) -> str:
+        """16 hex digits identifying the plan; equal plans hash equal everywhere."""
+        canonical = json.dumps(
+            {
+                "fragments": self.num_fragments,
+                "sync_every": self.sync_every,
+                "params": [
+                    [s.name, list(s.shape), s.dtype, p]
+                    for s, p in zip(self.specs, self.owner, strict=True)
+                ],
+            },
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    # -- schedule --------------------------------------------------------
+    def offset(self, fragment: int) -> int:
+        """t_p: fragment p syncs at the steps t > 0 with t mod H == t_p."""
+        return fragment * self.sync_every // self.num_fragments
+
+    def fragments_due(self, step: int) -> list[int]:
+        if step <= 0:
+            return []
+        phase = step % self.sync_every
+        return [p for p in range(self.num_fragments) if self.offset(p) == phase]
+
+    # -- tensors ---------------------------------------------------------
+    def flatten(self, params: Mapping[str, torch.Tensor], fragment: int) -> torch.Tensor:
+        """The fragment as one flat fp32 CPU vector (a copy)."""
+        parts = [
+            params[s.name].detach().reshape(-1).to("cpu", torch.float32)
+            for s in self.fragment_specs(fragment)
+        ]
+        return torch.cat(parts) if parts else torch.empty(0)
+
+    def unflatten(self, flat: torch.Tensor, fragment: int) -> dict[str, torch.Tensor]:
+        """Split a flat vector back into the fragment's named tensors (fp32 views)."""
+        expected = self.fragment_numel(fragment)
+        if flat.ndim != 1 or flat.numel() != expected:
+            raise ValueError(
+                f"fragment {fragment} has {expected} elements, got shape {tuple(flat.shape)}"
+            )
+        out: dict[str, torch.Tensor] = {}
+        start = 0
+        for s in self.fragment_specs(fragment):
+            out[s.name] = flat[start : start + s.numel].view(s.shape)
+            start += s.numel
+        return out

@@ -1,0 +1,119 @@
+"""Pure aggregation math of the syncer: rebasing, weighting, merging.
+
+A learner reports ``delta = Theta(base) - theta_m`` against the global version
+it started from. The syncer rebuilds ``theta_m = Theta(base) - delta`` and takes
+the outer gradient against the *current* global, ``g_m = Theta(current) -
+theta_m``, so a learner that is a version or two behind contributes exactly
+what it would have contributed by sending its weights.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+
+class StaleDelta(ValueError):
+    """A delta whose base version is no longer (or not yet) kept."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class VersionHistory:
+    """The last ``depth`` versions of one fragment's global weights.
+
+    ``depth`` is the staleness bound S: a delta based on the current version or
+    one of the S - 1 before it can be rebased; anything older is refused.
+    """
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"staleness depth must be >= 1, got {depth}")
+        self.depth = depth
+        self._versions: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def push(self, version: int, weights: torch.Tensor) -> None:
+        if self._versions and version <= self.current_version:
+            raise ValueError(f"version {version} is not newer than {self.current_version}")
+        self._versions[version] = weights
+        while len(self._versions) > self.depth:
+            self._versions.popitem(last=False)
+
+    @property
+    def current_version(self) -> int:
+        return next(reversed(self._versions))
+
+    @property
+    def current(self) -> torch.Tensor:
+        return self._versions[self.current_version]
+
+    def items(self) -> list[tuple[int, torch.Tensor]]:
+        return list(self._versions.items())
+
+    def get(self, version: int) -> torch.Tensor:
+        """Weights of ``version``, or :class:`StaleDelta` saying why not."""
+        if version in self._versions:
+            return self._versions[version]
+        if version > self.current_version:
+            raise StaleDelta("future_version", f"base {version} > current {self.current_version}")
+        raise StaleDelta(
+            "stale", f"base {version} is older than the {self.depth} kept versions"
+        )
+
+
+def outer_gradient(
+    delta: torch.Tensor, base_weights: torch.Tensor, current_weights: torch.Tensor
+) -> torch.Tensor:
+    """g_m = Theta(current) - (Theta(base) - delta)."""
+    return current_weights - (base_weights - delta)
+
+
+def token_step_weight(c_tokens: int, c_steps: int) -> float:
+    """w = c_tokens * (c_tokens / c_steps): more tokens, and bigger batches, count more."""
+    if c_tokens <= 0 or c_steps <= 0:
+        return 0.0
+    return c_tokens * (c_tokens / c_steps)
+
+
+def _normalised(weights: Sequence[float], n: int) -> torch.Tensor:
+    if len(weights) != n or n == 0:
+        raise ValueError(f"need one weight per gradient, got {len(weights)} for {n}")
+    w = torch.tensor(weights, dtype=torch.float64)
+    if not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"weights must be finite, non-negative, not all zero: {weights}")
+    return w / w.sum()
+
+
+def weighted_mean(grads: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum(w_m g_m) / sum(w_m), accumulated in fp32."""
+    w = _normalised(weights, len(grads))
+    out = torch.zeros_like(grads[0], dtype=torch.float32)
+    for g, wi in zip(grads, w.tolist(), strict=True):
+        out.add_(g.to(torch.float32), alpha=wi)
+    return out
+
+
+def radial_directional_mean(
+    grads: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 1e-12
+) -> torch.Tensor:
+    """Mean of the norms times the direction of the mean of unit vectors.
+
+    Unlike the plain mean, disagreeing directions do not shrink the step: the
+    magnitude is the (weighted) average magnitude of the learners' updates.
+    """
+    w = _normalised(weights, len(grads))
+    norms = [float(g.to(torch.float32).norm()) for g in grads]
+    direction = torch.zeros_like(grads[0], dtype=torch.float32)
+    radius = 0.0
+    for g, n, wi in zip(grads, norms, w.tolist(), strict=True):
+        if n > eps:
+            direction.add_(g.to(torch.float32), alpha=wi / n)
+        radius += wi * n
+    dnorm = float(direction.norm())
+    if dnorm <= eps:
+        return torch.zeros_like(direction)
+    return direction * (radius / dnorm)
