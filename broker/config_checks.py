@@ -29,6 +29,8 @@ def check_choice(name: str, value: str, choices: Collection[str]) -> None:
 
 
 def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r}: must be a number")
     ok = value >= 0 if allow_zero else value > 0
     require(ok, f"{name}={value!r}: must be {'>= 0' if allow_zero else '> 0'}")
 

@@ -261,9 +261,11 @@ def decode(data: bytes | bytearray | memoryview, max_payload_bytes: int = DEFAUL
         raise WireError("bad_header", f"{type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise WireError("bad_header", "header is not a map")
-    if header.get("v") != SCHEMA_VERSION:
-        raise WireError("bad_schema_version", repr(header.get("v"))[:32])
-    cls = KINDS.get(header.get("k"))  # type: ignore[arg-type]
+    version = header.get("v")
+    if type(version) is not int or version != SCHEMA_VERSION:  # not True, not 1.0
+        raise WireError("bad_schema_version", repr(version)[:32])
+    kind = header.get("k")
+    cls = KINDS.get(kind) if isinstance(kind, str) else None  # a list or map is unhashable
     if cls is None:
         raise WireError("unknown_kind", repr(header.get("k"))[:32])
     names = {f.name for f in fields(cls)} - {"payload"}

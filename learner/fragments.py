@@ -89,6 +89,8 @@ class FragmentPlan:
     def build(
         cls, specs: Sequence[ParamSpec], num_fragments: int, sync_every: int | None = None
     ) -> FragmentPlan:
+        if num_fragments < 1:
+            raise ValueError(f"num_fragments must be >= 1, got {num_fragments}")
         sync_every = num_fragments if sync_every is None else sync_every
         if sync_every < 1 or sync_every % num_fragments != 0:
             raise ValueError(

@@ -52,7 +52,7 @@ class Round:
             raise ValueError(f"quorum must be >= 1, got {quorum}")
         if not 0 <= gamma < 1:
             raise ValueError(f"grace gamma must be in [0, 1), got {gamma}")
-        if tau_steps < 0:
+        if not tau_steps >= 0:  # also refuses NaN
             raise ValueError(f"tau must be >= 0, got {tau_steps}")
         self.quorum = quorum
         self.gamma = gamma

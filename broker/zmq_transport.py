@@ -1,0 +1,354 @@
+"""ZeroMQ backend: brokerless, learner DEALER/SUB <-> syncer ROUTER/PUB.
+
+Each syncer binds a ROUTER (``tcp://host:port``) for deltas, heartbeats and
+snapshot requests, and a PUB on ``port + 1`` for globals. A learner connects
+one DEALER and one SUB to every syncer; fragment ``p`` belongs to syncer
+``p % len(endpoints)``.
+
+Why these sockets: PUSH would block at its high-water mark and PUB silently
+drops, so deltas go DEALER -> ROUTER with an explicit :class:`~broker.wire.Ack`
+from the syncer once the update is durable, and the learner resends anything
+unacknowledged after ``ack_timeout_s`` (the syncer de-duplicates). Globals are
+full fragment weights, so PUB's drops are harmless as long as they are
+noticed: versions are per-fragment sequence numbers, and a gap triggers a
+snapshot request for that fragment over the DEALER.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import zmq
+
+from broker import wire
+from broker.transport import (
+    Backpressure,
+    Inbound,
+    LearnerTransport,
+    SyncerTransport,
+    TransportStats,
+)
+from broker.wire import Ack, Delta, GlobalFragment, Heartbeat, SnapshotRequest, WireError
+
+log = logging.getLogger(__name__)
+GLOBALS_TOPIC = b"g"
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+_FRAME_OVERHEAD = 64 * 1024 + 16  # header limit + prefix + checksum
+
+
+def pub_endpoint(endpoint: str) -> str:
+    """The PUB endpoint that goes with a syncer's ROUTER endpoint (port + 1)."""
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + 1}"
+
+
+def _socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, max_message_bytes: int) -> zmq.Socket[bytes]:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    # A peer that sends more than this is disconnected by ZeroMQ before the
+    # bytes reach us, so one bad client cannot make us allocate without bound.
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + _FRAME_OVERHEAD)
+    return sock
+
+
+def _decode(frame: bytes, max_message_bytes: int, stats: TransportStats) -> wire.Message | None:
+    stats.bytes_received += len(frame)
+    stats.messages_received += 1
+    try:
+        return wire.decode(frame, max_payload_bytes=max_message_bytes)
+    except WireError as e:
+        stats.rejected[e.reason] += 1
+        log.warning("rejected frame: %s", e)
+        return None
+
+
+@dataclass
+class _Pending:
+    frame: bytes
+    owner: int  # index of the syncer endpoint
+    last_sent: float = -math.inf
+    attempts: int = 0
+
+
+class ZmqLearnerTransport(LearnerTransport):
+    def __init__(
+        self,
+        endpoints: list[str] | tuple[str, ...],
+        run_id: str,
+        learner_id: str,
+        incarnation: int,
+        num_fragments: int,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_unacked: int = 64,
+        ack_timeout_s: float = 5.0,
+        send_hwm: int = 1000,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("give at least one syncer endpoint")
+        self.run_id = run_id
+        self.learner_id = learner_id
+        self.incarnation = incarnation
+        self.num_fragments = num_fragments
+        self.max_message_bytes = max_message_bytes
+        self.max_unacked = max_unacked
+        self.ack_timeout_s = ack_timeout_s
+        self.stats = TransportStats()
+        self.gaps = 0
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._dealers: list[zmq.Socket[bytes]] = []
+        self._subs: list[zmq.Socket[bytes]] = []
+        self._poller = zmq.Poller()
+        identity = f"{learner_id}/{incarnation}".encode()
+        for endpoint in endpoints:
+            dealer = _socket(self._ctx, zmq.DEALER, max_message_bytes)
+            dealer.setsockopt(zmq.IDENTITY, identity)
+            # Queue nothing for a syncer that is not connected: a restarted
+            # syncer gets resends from us instead of a stale backlog.
+            dealer.setsockopt(zmq.IMMEDIATE, 1)
+            dealer.setsockopt(zmq.SNDHWM, send_hwm)
+            dealer.connect(endpoint)
+            sub = _socket(self._ctx, zmq.SUB, max_message_bytes)
+            sub.setsockopt(zmq.SUBSCRIBE, GLOBALS_TOPIC)
+            sub.connect(pub_endpoint(endpoint))
+            self._poller.register(dealer, zmq.POLLIN)
+            self._poller.register(sub, zmq.POLLIN)
+            self._dealers.append(dealer)
+            self._subs.append(sub)
+        self._unacked: dict[int, _Pending] = {}
+        self._versions: dict[int, int] = {}  # newest version seen per fragment
+        self._ready: dict[int, GlobalFragment] = {}  # newest not yet returned by poll()
+
+    def _owner(self, fragment: int) -> int:
+        return fragment % len(self._dealers)
+
+    @property
+    def unacked(self) -> int:
+        return len(self._unacked)
+
+    def send_delta(self, delta: Delta) -> None:
+        if len(self._unacked) >= self.max_unacked:
+            raise Backpressure(f"{len(self._unacked)} deltas await acknowledgement")
+        pending = _Pending(wire.encode(delta, self.max_message_bytes), self._owner(delta.fragment))
+        self._unacked[delta.seq] = pending
+        self._try_send(pending, time.monotonic())
+
+    def _try_send(self, pending: _Pending, now: float) -> None:
+        try:
+            self._dealers[pending.owner].send(pending.frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return  # no syncer connected or its queue is full: retried by poll()
+        if pending.attempts:
+            self.stats.resent += 1
+        pending.attempts += 1
+        pending.last_sent = now
+        self.stats.bytes_sent += len(pending.frame)
+        self.stats.messages_sent += 1
+
+    def send_heartbeat(self, heartbeat: Heartbeat) -> None:
+        frame = wire.encode(heartbeat)
+        for dealer in self._dealers:
+            try:
+                dealer.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                continue  # best effort
+            self.stats.bytes_sent += len(frame)
+            self.stats.messages_sent += 1
+
+    def _request_snapshot(self, fragments: list[int]) -> None:
+        by_owner: dict[int, list[int]] = defaultdict(list)
+        for p in fragments:
+            by_owner[self._owner(p)].append(p)
+        for owner, owned in by_owner.items():
+            req = SnapshotRequest(run_id=self.run_id, learner_id=self.learner_id, fragments=owned)
+            frame = wire.encode(req)
+            try:
+                self._dealers[owner].send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            self.stats.bytes_sent += len(frame)
+
+    def _handle_global(self, g: GlobalFragment) -> None:
+        if g.run_id != self.run_id or g.fragment >= self.num_fragments:
+            self.stats.rejected["wrong_run" if g.run_id != self.run_id else "bad_fragment"] += 1
+            return
+        known = self._versions.get(g.fragment)
+        if known is not None and g.version <= known:
+            return
+        if known is not None and g.version > known + 1:
+            # Missed at least one version (PUB dropped it, or we were away):
+            # this one is complete weights so we take it, and ask for the
+            # latest in case the tail was dropped too.
+            self.gaps += 1
+            self._request_snapshot([g.fragment])
+        self._versions[g.fragment] = g.version
+        self._ready[g.fragment] = g
+
+    def _handle_ack(self, ack: Ack) -> None:
+        if ack.learner_id != self.learner_id or ack.incarnation != self.incarnation:
+            self.stats.rejected["foreign_ack"] += 1
+            return
+        for seq in ack.seqs:
+            self._unacked.pop(seq, None)
+
+    def _drain(self, timeout_s: float) -> None:
+        events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        for sock in self._dealers + self._subs:
+            if sock not in events:
+                continue
+            while True:
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = _decode(parts[-1], self.max_message_bytes, self.stats)
+                if isinstance(msg, GlobalFragment):
+                    self._handle_global(msg)
+                elif isinstance(msg, Ack):
+                    self._handle_ack(msg)
+                elif msg is not None:
+                    self.stats.rejected["unexpected_kind"] += 1
+
+    def _resend_due(self) -> None:
+        now = time.monotonic()
+        for pending in self._unacked.values():
+            if now - pending.last_sent >= self.ack_timeout_s:
+                self._try_send(pending, now)
+
+    def poll(self, timeout_s: float) -> list[GlobalFragment]:
+        self._drain(timeout_s)
+        self._resend_due()
+        ready = sorted(self._ready.values(), key=lambda g: g.fragment)
+        self._ready.clear()
+        return ready
+
+    def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
+        wanted = set(fragments)
+        got: dict[int, GlobalFragment] = {}
+        deadline = time.monotonic() + timeout_s
+        next_request = 0.0
+        # Forget what we knew so the syncer's current version is taken even if
+        # it is not newer (a learner may rejoin a syncer that restarted).
+        for p in wanted:
+            self._versions.pop(p, None)
+        while wanted - got.keys():
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if now >= next_request:
+                self._request_snapshot(sorted(wanted - got.keys()))
+                next_request = now + 0.5
+            self._drain(min(0.05, deadline - now))
+            self._resend_due()
+            for p in list(self._ready):
+                if p in wanted:
+                    got[p] = self._ready.pop(p)
+        return got
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
+
+
+class ZmqSyncerTransport(SyncerTransport):
+    def __init__(
+        self,
+        bind: str,
+        run_id: str,
+        fragments: list[int],
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        send_hwm: int = 1000,
+        max_batch: int = 1000,
+    ) -> None:
+        self.run_id = run_id
+        self.fragments = set(fragments)
+        self.max_message_bytes = max_message_bytes
+        self.max_batch = max_batch
+        self.stats = TransportStats()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._router = _socket(self._ctx, zmq.ROUTER, max_message_bytes)
+        # A restarted learner reuses its identity only with a new incarnation,
+        # but let a reconnecting peer take its identity over rather than be refused.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.SNDHWM, send_hwm)
+        self._router.bind(bind)
+        self._pub = _socket(self._ctx, zmq.PUB, max_message_bytes)
+        self._pub.setsockopt(zmq.SNDHWM, send_hwm)
+        self._pub.bind(pub_endpoint(bind))
+        self._latest: dict[int, bytes] = {}  # encoded newest global per fragment
+
+    def receive(self, timeout_s: float) -> list[Inbound]:
+        out: list[Inbound] = []
+        if not self._router.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+            return out
+        while len(out) < self.max_batch:
+            try:
+                parts = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(parts) != 2:
+                self.stats.rejected["bad_envelope"] += 1
+                continue
+            identity, frame = parts
+            msg = _decode(frame, self.max_message_bytes, self.stats)
+            if msg is None:
+                continue
+            if getattr(msg, "run_id", self.run_id) != self.run_id:
+                self.stats.rejected["wrong_run"] += 1
+            elif isinstance(msg, Delta):
+                if msg.fragment in self.fragments:
+                    out.append(Inbound(msg, identity))
+                else:
+                    self.stats.rejected["not_owned"] += 1
+            elif isinstance(msg, Heartbeat):
+                out.append(Inbound(msg))
+            elif isinstance(msg, SnapshotRequest):
+                self._answer_snapshot(identity, msg)
+            else:
+                self.stats.rejected["unexpected_kind"] += 1
+        return out
+
+    def _send_to(self, identity: bytes, frame: bytes) -> None:
+        try:
+            self._router.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            return  # the learner's queue is full; it will ask again
+        self.stats.bytes_sent += len(frame)
+        self.stats.messages_sent += 1
+
+    def _answer_snapshot(self, identity: bytes, req: SnapshotRequest) -> None:
+        wanted = req.fragments or sorted(self._latest)
+        for p in wanted:
+            if p in self._latest:
+                self._send_to(identity, self._latest[p])
+
+    def ack(self, items: list[Inbound]) -> None:
+        seqs: dict[tuple[bytes, str, int], list[int]] = defaultdict(list)
+        for item in items:
+            if isinstance(item.message, Delta) and item.token is not None:
+                d = item.message
+                seqs[(item.token, d.learner_id, d.incarnation)].append(d.seq)
+        for (identity, learner_id, incarnation), batch in seqs.items():
+            for start in range(0, len(batch), wire.MAX_LIST_LEN):
+                ack = Ack(
+                    run_id=self.run_id, learner_id=learner_id, incarnation=incarnation,
+                    seqs=batch[start : start + wire.MAX_LIST_LEN],
+                )
+                self._send_to(identity, wire.encode(ack))
+
+    def publish(self, fragment: GlobalFragment) -> None:
+        frame = wire.encode(fragment, self.max_message_bytes)
+        self._latest[fragment.fragment] = frame
+        try:
+            self._pub.send_multipart([GLOBALS_TOPIC, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            return  # PUB does not block; subscribers notice the gap
+        self.stats.bytes_sent += len(frame)
+        self.stats.messages_sent += 1
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)

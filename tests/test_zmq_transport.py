@@ -1,0 +1,293 @@
+"""ZeroMQ transport against real sockets on loopback and a real consumer process."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from broker import wire
+from broker.transport import Backpressure
+from broker.wire import Delta, GlobalFragment, Heartbeat
+from broker.zmq_transport import ZmqLearnerTransport, ZmqSyncerTransport
+from tests.servers import free_port, wait_until
+
+pytestmark = pytest.mark.integration
+RUN = "test"
+PLAN = "0123456789abcdef"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def endpoint() -> str:
+    # ROUTER on port, PUB on port + 1: find two free neighbours.
+    while True:
+        port = free_port()
+        try:
+            with zmq.Context() as ctx, ctx.socket(zmq.PUB) as s:
+                s.bind(f"tcp://127.0.0.1:{port + 1}")
+            return f"tcp://127.0.0.1:{port}"
+        except zmq.ZMQError:
+            continue
+
+
+def delta(learner: str, seq: int, fragment: int, incarnation: int = 1) -> Delta:
+    return Delta(
+        run_id=RUN, learner_id=learner, incarnation=incarnation, seq=seq, fragment=fragment,
+        plan_hash=PLAN, base_version=0, step=seq, c_steps=1, c_tokens=16, sent_at=time.time(),
+        codec="fp32", numel=4, payload=torch.full((4,), float(seq)).numpy().tobytes(),
+    )
+
+
+def global_fragment(fragment: int, version: int) -> GlobalFragment:
+    return GlobalFragment(
+        run_id=RUN, fragment=fragment, plan_hash=PLAN, version=version, codec="fp32", numel=4,
+        payload=torch.full((4,), float(version)).numpy().tobytes(), sent_at=time.time(),
+    )
+
+
+class Consumer:
+    """tests/transport_consumer.py as a real process that can be SIGKILLed."""
+
+    def __init__(self, bind: str, db: Path) -> None:
+        self.bind, self.db = bind, db
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.transport_consumer", "--backend", "zmq",
+             "--url", self.bind, "--run", RUN, "--db", str(self.db)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline().strip() == b"ready"
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+    def counts(self) -> tuple[int, int]:
+        if not self.db.exists():
+            return 0, 0
+        with sqlite3.connect(self.db, timeout=10) as db:
+            total, distinct = db.execute(
+                "SELECT COUNT(*), COUNT(DISTINCT learner || '/' || incarnation || '/' || seq)"
+                " FROM applied"
+            ).fetchone()
+        return int(total), int(distinct)
+
+
+def run_learner(bind: str, name: str, n: int, errors: list[BaseException]) -> None:
+    try:
+        t = ZmqLearnerTransport([bind], RUN, name, 1, 4, max_unacked=64, ack_timeout_s=1.0)
+        try:
+            for seq in range(1, n + 1):
+                d = delta(name, seq, seq % 4)
+                while True:
+                    try:
+                        t.send_delta(d)
+                        break
+                    except Backpressure:
+                        t.poll(0.01)
+            assert t.flush(120), f"{name}: {t.unacked} deltas never acknowledged"
+        finally:
+            t.close()
+    except BaseException as e:  # surfaced by the test thread
+        errors.append(e)
+
+
+def send_from_learners(bind: str, learners: int, per_learner: int) -> tuple[list[threading.Thread], list[BaseException]]:
+    errors: list[BaseException] = []
+    threads = [
+        threading.Thread(target=run_learner, args=(bind, f"learner-{i}", per_learner, errors))
+        for i in range(learners)
+    ]
+    for th in threads:
+        th.start()
+    return threads, errors
+
+
+@pytest.mark.timeout(180)
+def test_ten_thousand_deltas_from_four_learners_exactly_once(tmp_path: Path) -> None:
+    bind = endpoint()
+    consumer = Consumer(bind, tmp_path / "applied.sqlite")
+    consumer.start()
+    try:
+        threads, errors = send_from_learners(bind, 4, 2500)
+        for th in threads:
+            th.join(timeout=170)
+        assert not errors, errors
+        assert consumer.counts() == (10_000, 10_000)
+    finally:
+        consumer.stop()
+
+
+@pytest.mark.timeout(240)
+def test_consumer_sigkilled_and_restarted_applies_every_delta_once(tmp_path: Path) -> None:
+    bind = endpoint()
+    consumer = Consumer(bind, tmp_path / "applied.sqlite")
+    consumer.start()
+    rng = random.Random(7)
+    try:
+        threads, errors = send_from_learners(bind, 4, 1000)
+        for kill in range(3):
+            target = rng.randint(500, 1200) * (kill + 1)
+            wait_until(lambda t=target: consumer.counts()[0] >= t, 60, what=f"{target} applied")
+            consumer.kill()
+            consumer.start()
+        for th in threads:
+            th.join(timeout=200)
+        assert not errors, errors
+        assert consumer.counts() == (4000, 4000)
+    finally:
+        consumer.stop()
+
+
+@pytest.mark.timeout(30)
+def test_backpressure_while_no_syncer_then_resend_after_it_starts(tmp_path: Path) -> None:
+    bind = endpoint()
+    learner = ZmqLearnerTransport([bind], RUN, "l0", 1, 4, max_unacked=8, ack_timeout_s=0.2)
+    try:
+        for seq in range(1, 9):
+            learner.send_delta(delta("l0", seq, 0))
+        with pytest.raises(Backpressure):
+            learner.send_delta(delta("l0", 9, 0))
+        assert learner.stats.messages_sent == 0  # IMMEDIATE: nothing queued to nobody
+        syncer = ZmqSyncerTransport(bind, RUN, [0, 1, 2, 3])
+        try:
+            got: dict[int, int] = {}
+
+            def delivered() -> bool:
+                learner.poll(0.02)
+                items = syncer.receive(0.02)
+                for i in items:
+                    if isinstance(i.message, Delta):
+                        got[i.message.seq] = got.get(i.message.seq, 0) + 1
+                syncer.ack(items)
+                return learner.unacked == 0
+
+            wait_until(delivered, 20, what="all deltas acknowledged")
+            assert sorted(got) == list(range(1, 9))
+        finally:
+            syncer.close()
+    finally:
+        learner.close()
+
+
+@pytest.mark.timeout(30)
+def test_late_joiner_gets_latest_snapshot_then_later_versions() -> None:
+    bind = endpoint()
+    syncer = ZmqSyncerTransport(bind, RUN, [0, 1, 2])
+    learner = None
+    try:
+        for version in range(1, 4):
+            for p in range(3):
+                syncer.publish(global_fragment(p, version * 10 + p))
+        learner = ZmqLearnerTransport([bind], RUN, "late", 1, 3)
+        result: dict[int, GlobalFragment] = {}
+
+        def serve() -> None:
+            while len(result) < 3:
+                syncer.receive(0.02)
+
+        server = threading.Thread(target=serve)
+        server.start()
+        result.update(learner.snapshot([0, 1, 2], timeout_s=10))
+        server.join(timeout=10)
+        assert {p: g.version for p, g in result.items()} == {0: 30, 1: 31, 2: 32}
+        assert result[1].tensor().tolist() == [31.0] * 4
+
+        # Globals published after the snapshot arrive in order through PUB/SUB.
+        def next_versions() -> dict[int, int]:
+            syncer.publish(global_fragment(0, 40))
+            return {g.fragment: g.version for g in learner.poll(0.05)}
+
+        assert wait_until(next_versions, 10, what="version 40 over PUB/SUB") == {0: 40}
+    finally:
+        if learner:
+            learner.close()
+        syncer.close()
+
+
+@pytest.mark.timeout(30)
+def test_subscriber_that_missed_messages_notices_the_gap_and_resyncs() -> None:
+    bind = endpoint()
+    syncer = ZmqSyncerTransport(bind, RUN, [0], send_hwm=1)
+    learner = ZmqLearnerTransport([bind], RUN, "gappy", 1, 1)
+    try:
+        learner._subs[0].setsockopt(zmq.RCVHWM, 1)  # drop freely on the receive side too
+
+        def first() -> bool:
+            syncer.publish(global_fragment(0, 1))
+            return bool(learner.poll(0.05))
+
+        wait_until(first, 10, what="subscription to connect")
+        for version in range(2, 2001):
+            syncer.publish(global_fragment(0, version))
+        seen: list[int] = []
+
+        def caught_up() -> bool:
+            seen.extend(g.version for g in learner.poll(0.02))
+            syncer.receive(0.0)  # answers the snapshot request
+            return bool(seen) and seen[-1] == 2000
+
+        wait_until(caught_up, 15, what="learner to reach version 2000")
+        assert learner.gaps >= 1
+        assert seen == sorted(seen)
+    finally:
+        learner.close()
+        syncer.close()
+
+
+@pytest.mark.timeout(30)
+def test_bad_frames_are_counted_and_good_deltas_still_arrive() -> None:
+    bind = endpoint()
+    syncer = ZmqSyncerTransport(bind, RUN, [0, 1], max_message_bytes=1024)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(bind)
+    try:
+        good = wire.encode(delta("l0", 1, 0))
+        big = Delta(**{**delta("l0", 2, 0).__dict__, "numel": 1000,
+                       "payload": bytes(4000)})
+        raw.send(b"garbage!" * 8)
+        raw.send(good[:-3])  # truncated
+        raw.send(good[:20] + bytes([good[20] ^ 0xFF]) + good[21:])  # corrupt
+        raw.send(wire.encode(big))  # over the 1 KiB limit
+        raw.send(wire.encode(delta("l0", 3, 5)))  # fragment not owned here
+        raw.send(wire.encode(Delta(**{**delta("l0", 4, 0).__dict__, "run_id": "other"})))
+        raw.send(wire.encode(global_fragment(0, 1)))  # wrong direction
+        raw.send_multipart([b"a", b"b"])  # two frames
+        raw.send(wire.encode(Heartbeat(run_id=RUN, learner_id="l0", step=3, sent_at=1.0)))
+        raw.send(good)
+        got: list[wire.Message] = []
+
+        def all_in() -> bool:
+            got.extend(i.message for i in syncer.receive(0.05))
+            return sum(syncer.stats.rejected.values()) >= 8 and len(got) >= 2
+
+        wait_until(all_in, 10, what="every frame to be handled")
+        assert [type(m).__name__ for m in got] == ["Heartbeat", "Delta"]
+        r = syncer.stats.rejected
+        assert r["bad_magic"] == 1 and r["truncated"] == 1 and r["bad_checksum"] == 1
+        assert r["too_large"] == 1 and r["not_owned"] == 1 and r["wrong_run"] == 1
+        assert r["unexpected_kind"] == 1 and r["bad_envelope"] == 1
+    finally:
+        raw.close(0)
+        ctx.term()
+        syncer.close()
