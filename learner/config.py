@@ -43,9 +43,16 @@ class LearnerConfig:
     sync_every: int = 24  # H, a multiple of P
     overlap: int = 2  # tau: steps between sending a fragment and expecting its global
     codec: str = "int8"
+    error_feedback: bool = True  # carry what the codec dropped into the next delta
+    blocking: bool = False  # synchronous DiLoCo: wait for each fragment's new global
     mix_alpha: float = 0.0  # 0: overwrite with the global; else alpha*local + (1-alpha)*global
     # emulation and plumbing
+    shard: int = 0  # this learner's slice of the training data ...
+    num_shards: int = 1  # ... out of this many
     slowdown: float = 1.0  # >= 1: each step takes this many times longer
+    join_timeout_s: float = 120.0  # wait this long for the syncer's snapshot at start
+    state_dir: str | None = None  # progress file so a restarted learner resumes its schedule
+    metrics_file: str | None = None  # JSON lines of progress
     torch_threads: int = 1
     max_message_bytes: int = 256 * 1024 * 1024
     ack_timeout_s: float = 5.0
@@ -78,6 +85,9 @@ class LearnerConfig:
             self.overlap < self.sync_every,
             f"overlap={self.overlap} must be smaller than sync_every={self.sync_every}",
         )
+        require(0 <= self.shard < self.num_shards,
+                f"shard={self.shard} must be in [0, num_shards={self.num_shards})")
+        check_positive("join_timeout_s", self.join_timeout_s)
         require(0 <= self.mix_alpha < 1, f"mix_alpha={self.mix_alpha}: use [0, 1)")
         require(self.slowdown >= 1, f"slowdown={self.slowdown}: use a factor >= 1")
         try:

@@ -114,6 +114,9 @@ def radial_directional_mean(
             direction.add_(g.to(torch.float32), alpha=wi / n)
         radius += wi * n
     dnorm = float(direction.norm())
-    if dnorm <= eps:
+    # direction is a convex mix of unit vectors (norm <= 1) summed in fp32, so
+    # when they cancel the rounding leaves ~1e-8, which must not be blown up
+    # to a full-size step in a noise direction.
+    if dnorm <= max(eps, 1e-6):
         return torch.zeros_like(direction)
     return direction * (radius / dnorm)

@@ -49,8 +49,12 @@ class SyncerConfig:
     max_message_bytes: int = 256 * 1024 * 1024
     # durability and evaluation
     checkpoint_dir: str = "syncer-checkpoint"
+    data: str | None = None  # held-out data for evaluation; None: the Python standard library
     eval_every_s: float = 0.0  # 0: never
+    eval_batches: int = 8
+    eval_batch_size: int = 16
     metrics_port: int = 0
+    metrics_file: str | None = None  # JSON lines of rounds, evaluations and rejections
 
     def __post_init__(self) -> None:
         check_id("run_id", self.run_id)

@@ -1,0 +1,2 @@
+def add_local_args(p):
+    pass

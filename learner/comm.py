@@ -1,0 +1,144 @@
+"""The learner's communication thread: the only code that touches the transport.
+
+The training loop never waits on the network. It hands deltas and heartbeats
+to this thread through bounded queues and picks up arrived globals at step
+boundaries. Encoding (quantisation, compression) happens here too, off the
+training thread; with error feedback, what a codec dropped from one delta is
+added to the next delta of the same fragment instead of being lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+
+import torch
+
+from broker.codecs import Codec
+from broker.transport import Backpressure, LearnerTransport
+from broker.wire import Delta, GlobalFragment, Heartbeat
+from learner.config import LearnerConfig
+
+log = logging.getLogger(__name__)
+
+
+def connect_learner(cfg: LearnerConfig, incarnation: int) -> LearnerTransport:
+    if cfg.transport == "redis":
+        from broker.redis_transport import RedisLearnerTransport
+
+        return RedisLearnerTransport(
+            cfg.redis_url, cfg.run_id, cfg.learner_id, cfg.fragments,
+            max_message_bytes=cfg.max_message_bytes, max_unacked=cfg.max_unacked,
+        )
+    from broker.zmq_transport import ZmqLearnerTransport
+
+    return ZmqLearnerTransport(
+        list(cfg.zmq_endpoints), cfg.run_id, cfg.learner_id, incarnation, cfg.fragments,
+        max_message_bytes=cfg.max_message_bytes, max_unacked=cfg.max_unacked,
+        ack_timeout_s=cfg.ack_timeout_s,
+    )
+
+
+@dataclass
+class OutgoingDelta:
+    """What the training thread hands over: the raw fp32 delta and its metadata."""
+
+    delta: torch.Tensor
+    meta: Delta  # every field but codec, numel and payload
+
+
+class CommThread(threading.Thread):
+    def __init__(self, transport: LearnerTransport, codec: Codec, error_feedback: bool,
+                 max_queued: int = 64) -> None:
+        super().__init__(name="ddiloco-comm", daemon=True)
+        self.transport = transport
+        self.codec = codec
+        self.error_feedback = error_feedback
+        self._outbox: queue.Queue[OutgoingDelta] = queue.Queue(maxsize=max_queued)
+        self._backlog: deque[Delta] = deque()  # encoded, waiting for transport room
+        self._heartbeat: Heartbeat | None = None
+        self._lock = threading.Lock()
+        self._arrived: dict[int, GlobalFragment] = {}
+        self._residual: dict[int, torch.Tensor] = {}
+        self._stopping = threading.Event()
+        self.dropped = 0
+        self.error: BaseException | None = None
+
+    # -- called from the training thread -----------------------------------
+    def send_delta(self, item: OutgoingDelta) -> None:
+        try:
+            self._outbox.put_nowait(item)
+        except queue.Full:
+            # The network is far behind; dropping is better than stalling
+            # training. The next delta of the fragment carries the progress.
+            self.dropped += 1
+            log.warning("outbox full: dropped delta of fragment %d", item.meta.fragment)
+
+    def heartbeat(self, hb: Heartbeat) -> None:
+        with self._lock:
+            self._heartbeat = hb
+
+    def take_globals(self) -> list[GlobalFragment]:
+        with self._lock:
+            arrived = sorted(self._arrived.values(), key=lambda g: g.fragment)
+            self._arrived.clear()
+        return arrived
+
+    @property
+    def pending(self) -> int:
+        return self._outbox.qsize() + len(self._backlog) + self.transport.unacked
+
+    def stop(self, flush_timeout_s: float) -> bool:
+        """Deliver what is queued (up to the timeout), then stop. True if all was delivered."""
+        deadline = time.monotonic() + flush_timeout_s
+        while self.pending and time.monotonic() < deadline and self.is_alive():
+            time.sleep(0.02)
+        delivered = self.pending == 0
+        self._stopping.set()
+        self.join(timeout=5)
+        return delivered
+
+    # -- the thread ----------------------------------------------------------
+    def _encode(self, item: OutgoingDelta) -> Delta:
+        p = item.meta.fragment
+        delta = item.delta
+        if self.error_feedback and p in self._residual:
+            delta = delta + self._residual[p]
+        payload = self.codec.encode(delta)
+        if self.error_feedback and self.codec.quant != "fp32":
+            self._residual[p] = delta - self.codec.decode(payload, delta.numel())
+        return replace(item.meta, codec=self.codec.name, numel=delta.numel(), payload=payload)
+
+    def run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._pump()
+        except BaseException as e:  # surfaced to the training loop
+            self.error = e
+            log.exception("comm thread failed")
+
+    def _pump(self) -> None:
+        while len(self._backlog) < self._outbox.maxsize:
+            try:
+                self._backlog.append(self._encode(self._outbox.get_nowait()))
+            except queue.Empty:
+                break
+        while self._backlog:
+            try:
+                self.transport.send_delta(self._backlog[0])
+            except Backpressure:
+                break
+            self._backlog.popleft()
+        with self._lock:
+            hb, self._heartbeat = self._heartbeat, None
+        if hb is not None:
+            self.transport.send_heartbeat(hb)
+        arrived = self.transport.poll(0.01)
+        if arrived:
+            with self._lock:
+                for g in arrived:
+                    self._arrived[g.fragment] = g

@@ -1,0 +1,244 @@
+"""Aggregation math against hand numbers and numpy re-implementations."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from syncer.aggregation import (
+    StaleDelta,
+    VersionHistory,
+    outer_gradient,
+    radial_directional_mean,
+    token_step_weight,
+    weighted_mean,
+)
+
+torch.set_num_threads(1)
+
+
+def t(*xs: float) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.float32)
+
+
+# -- rebasing ------------------------------------------------------------------
+def test_outer_gradient_by_hand() -> None:
+    g = outer_gradient(delta=t(0.5, -0.5, 0.0), base_weights=t(1, 2, 3),
+                       current_weights=t(1.5, 1.0, 3.25))
+    # current - base + delta = (0.5 + 0.5, -1 - 0.5, 0.25 + 0)
+    assert g.tolist() == [1.0, -1.5, 0.25]
+
+
+def test_stale_learner_contributes_as_if_it_sent_weights() -> None:
+    theta_base = t(1.0, 2.0, 3.0)  # version 4, the learner's base
+    theta_m = t(0.5, 2.5, 3.0)  # the learner's weights after its inner steps
+    delta = theta_base - theta_m  # what it sends: (0.5, -0.5, 0)
+    theta_current = t(1.5, 1.0, 3.25)  # the global moved on to version 5
+    # Had it sent its weights, the outer gradient would be current - theta_m.
+    expected = [1.5 - 0.5, 1.0 - 2.5, 3.25 - 3.0]
+    assert outer_gradient(delta, theta_base, theta_current).tolist() == expected
+    # A fresh learner (base == current) gets its delta back unchanged.
+    assert outer_gradient(delta, theta_current, theta_current).tolist() == delta.tolist()
+
+
+def test_outer_gradient_random_matches_numpy() -> None:
+    rng = np.random.default_rng(0)
+    d, b, c = (rng.standard_normal(1000).astype(np.float32) for _ in range(3))
+    g = outer_gradient(torch.from_numpy(d), torch.from_numpy(b), torch.from_numpy(c))
+    np.testing.assert_allclose(g.numpy(), c.astype(np.float64) - b + d, rtol=0, atol=1e-5)
+
+
+def test_outer_gradient_does_not_mutate() -> None:
+    d, b, c = t(1, 2), t(3, 4), t(5, 6)
+    outer_gradient(d, b, c)
+    assert d.tolist() == [1, 2] and b.tolist() == [3, 4] and c.tolist() == [5, 6]
+
+
+# -- version history -----------------------------------------------------------
+@pytest.mark.parametrize("depth", [1, 2, 3, 5])
+def test_history_keeps_last_depth_versions(depth: int) -> None:
+    h = VersionHistory(depth)
+    for v in range(8):
+        h.push(v, torch.full((2,), float(v)))
+        assert h.current_version == v
+        assert h.current.tolist() == [float(v)] * 2
+        kept = list(range(max(0, v - depth + 1), v + 1))
+        assert [k for k, _ in h.items()] == kept
+        for k in kept:
+            assert h.get(k).tolist() == [float(k)] * 2
+        for old in range(0, kept[0]):
+            with pytest.raises(StaleDelta) as info:
+                h.get(old)
+            assert info.value.reason == "stale"
+        for future in (v + 1, v + 10):
+            with pytest.raises(StaleDelta) as info:
+                h.get(future)
+            assert info.value.reason == "future_version"
+
+
+def test_history_depth_two_by_hand() -> None:
+    h = VersionHistory(2)
+    h.push(10, t(1))
+    h.push(11, t(2))
+    h.push(13, t(3))  # versions need not be consecutive
+    assert [v for v, _ in h.items()] == [11, 13]
+    assert h.get(11).tolist() == [2.0]
+    with pytest.raises(StaleDelta, match="stale"):
+        h.get(10)
+    with pytest.raises(StaleDelta) as info:
+        h.get(12)  # never kept, below current: refused as stale
+    assert info.value.reason == "stale"
+    assert issubclass(StaleDelta, ValueError)
+
+
+def test_history_errors() -> None:
+    with pytest.raises(ValueError):
+        VersionHistory(0)
+    h = VersionHistory(3)
+    h.push(5, t(0))
+    for v in (5, 4):
+        with pytest.raises(ValueError, match="not newer"):
+            h.push(v, t(0))
+    assert [v for v, _ in h.items()] == [5]
+
+
+# -- weights -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("c_tokens", "c_steps", "w"),
+    [
+        (1000, 4, 250_000.0),  # 1000 * (1000 / 4)
+        (512, 1, 262_144.0),
+        (300, 3, 30_000.0),
+        (10, 4, 25.0),
+        (0, 4, 0.0),
+        (100, 0, 0.0),
+        (-5, 2, 0.0),
+    ],
+)
+def test_token_step_weight_by_hand(c_tokens: int, c_steps: int, w: float) -> None:
+    assert token_step_weight(c_tokens, c_steps) == w
+
+
+def test_weight_favours_bigger_batches_at_equal_tokens() -> None:
+    # Same tokens in fewer steps means bigger batches: weight grows with 1/c_steps.
+    assert token_step_weight(4096, 2) == 2 * token_step_weight(4096, 4)
+
+
+# -- weighted mean -------------------------------------------------------------
+def test_weighted_mean_by_hand() -> None:
+    out = weighted_mean([t(1, 0), t(0, 1), t(4, 4)], [1.0, 1.0, 2.0])
+    # (1*(1,0) + 1*(0,1) + 2*(4,4)) / 4 = (9/4, 9/4)
+    assert out.tolist() == [2.25, 2.25]
+    assert out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_weighted_mean_matches_numpy(m: int) -> None:
+    rng = np.random.default_rng(m)
+    grads = [rng.standard_normal(513).astype(np.float32) for _ in range(m)]
+    weights = list(rng.uniform(0.1, 1e6, m))
+    out = weighted_mean([torch.from_numpy(g) for g in grads], weights)
+    ref = np.average(np.stack(grads).astype(np.float64), axis=0, weights=weights)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_mean_zero_weight_ignored_and_bf16_input() -> None:
+    out = weighted_mean([t(1, 2), t(100, 100)], [3.0, 0.0])
+    assert out.tolist() == [1.0, 2.0]
+    out = weighted_mean([t(1, 2).to(torch.bfloat16), t(3, 4)], [1.0, 1.0])
+    assert out.dtype == torch.float32 and out.tolist() == [2.0, 3.0]
+
+
+BAD_WEIGHTS = [
+    [],
+    [1.0],  # one weight for two grads
+    [1.0, 2.0, 3.0],
+    [0.0, 0.0],
+    [1.0, -0.5],
+    [1.0, float("nan")],
+    [1.0, float("inf")],
+]
+
+
+@pytest.mark.parametrize("weights", BAD_WEIGHTS)
+def test_bad_weights_raise(weights: list[float]) -> None:
+    grads = [t(1, 2), t(3, 4)]
+    with pytest.raises(ValueError):
+        weighted_mean(grads, weights)
+    with pytest.raises(ValueError):
+        radial_directional_mean(grads, weights)
+
+
+def test_no_grads_raise() -> None:
+    with pytest.raises(ValueError):
+        weighted_mean([], [])
+    with pytest.raises(ValueError):
+        radial_directional_mean([], [])
+
+
+# -- radial-directional mean ---------------------------------------------------
+def numpy_radial(grads: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    g64 = [g.astype(np.float64) for g in grads]
+    norms = np.array([np.linalg.norm(g) for g in g64])
+    radius = float(np.dot(w, norms))
+    direction = sum(wi * g / n for wi, g, n in zip(w, g64, norms, strict=True))
+    return radius * direction / np.linalg.norm(direction)
+
+
+def test_radial_by_hand() -> None:
+    # Unit directions (1,0) and (0,1), norms 2 and 4, equal weights:
+    # radius 3, direction (1,1)/sqrt(2) -> (3/sqrt 2, 3/sqrt 2).
+    out = radial_directional_mean([t(2, 0), t(0, 4)], [1.0, 1.0])
+    expected = 3 / math.sqrt(2)
+    torch.testing.assert_close(out, t(expected, expected))
+    # The plain mean of the same is (1, 2), norm sqrt 5 < 3: radial keeps the size.
+    assert float(out.norm()) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+def test_radial_norm_and_direction_match_numpy(m: int) -> None:
+    rng = np.random.default_rng(100 + m)
+    grads = [(rng.standard_normal(300) * rng.uniform(0.1, 10)).astype(np.float32)
+             for _ in range(m)]
+    weights = list(rng.uniform(0.5, 5.0, m))
+    out = radial_directional_mean([torch.from_numpy(g) for g in grads], weights).numpy()
+    w = np.asarray(weights) / np.sum(weights)
+    norms = np.array([np.linalg.norm(g.astype(np.float64)) for g in grads])
+    # Norm = weighted mean of the norms.
+    assert np.linalg.norm(out) == pytest.approx(float(np.dot(w, norms)), rel=1e-5)
+    # Direction = normalised weighted mean of the unit vectors.
+    units = sum(wi * g.astype(np.float64) / n for wi, g, n in zip(w, grads, norms, strict=True))
+    np.testing.assert_allclose(out / np.linalg.norm(out), units / np.linalg.norm(units),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(out, numpy_radial(grads, weights), rtol=1e-4, atol=1e-6)
+
+
+def test_radial_of_identical_inputs_is_that_input() -> None:
+    g = torch.from_numpy(np.random.default_rng(3).standard_normal(257).astype(np.float32))
+    out = radial_directional_mean([g, g.clone(), g.clone()], [1.0, 5.0, 0.25])
+    torch.testing.assert_close(out, g, rtol=1e-5, atol=1e-6)
+    out = radial_directional_mean([g], [2.0])
+    torch.testing.assert_close(out, g, rtol=1e-5, atol=1e-6)
+
+
+def test_radial_scale_invariance_of_direction() -> None:
+    # Scaling one learner's update changes the radius, not the direction.
+    a, b = t(1, 0, 0), t(0, 1, 0)
+    out1 = radial_directional_mean([a, b], [1.0, 1.0])
+    out2 = radial_directional_mean([a, 10 * b], [1.0, 1.0])
+    torch.testing.assert_close(out1 / out1.norm(), out2 / out2.norm())
+    assert float(out2.norm()) == pytest.approx(5.5)
+
+
+def test_radial_degenerate_cases() -> None:
+    # Opposite directions cancel: no direction, a zero step.
+    assert radial_directional_mean([t(1, 0), t(-3, 0)], [1.0, 1.0]).tolist() == [0.0, 0.0]
+    # All-zero updates give zero.
+    assert radial_directional_mean([t(0, 0), t(0, 0)], [1.0, 1.0]).tolist() == [0.0, 0.0]
+    # A zero update has no direction but its norm (0) still counts in the radius.
+    out = radial_directional_mean([t(0, 0), t(0, 4)], [1.0, 1.0])
+    torch.testing.assert_close(out, t(0, 2))
