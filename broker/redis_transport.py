@@ -47,6 +47,7 @@ from typing import Any, cast
 import redis
 from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.retry import Retry
+from redis.typing import KeyT, StreamIdT
 
 from broker.transport import (
     Backpressure,
@@ -59,6 +60,10 @@ from broker.transport import (
 from broker.wire import Delta, GlobalFragment, Heartbeat, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)
+
+# (entry id, fields) as redis-py returns them; fields are empty for an entry
+# that was trimmed or deleted while pending.
+_Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 FIELD = b"m"
 GROUP = "syncers"
@@ -233,7 +238,8 @@ class RedisLearnerTransport(LearnerTransport):
         self.stats = TransportStats()
         self.connection_errors = 0
         self.heartbeats_dropped = 0
-        self._max_block_s = socket_timeout_s / 2  # a blocking read must end before the socket timeout
+        # A blocking read must end well before the socket timeout.
+        self._max_block_s = socket_timeout_s / 2
         self._client = _connect(url, socket_timeout_s)
         self._stream_end_id = self._client.register_script(_STREAM_END_ID)
         self._reconnect = _Reconnect(f"learner {learner_id}")
@@ -334,14 +340,15 @@ class RedisLearnerTransport(LearnerTransport):
         if self._position is None:
             return self._resync()
         block_ms = int(min(deadline - time.monotonic(), self._max_block_s) * 1000)
-        reply = self._client.xread(
-            {self._globals: self._position},
+        streams: dict[KeyT, StreamIdT] = {self._globals: self._position}
+        reply = cast(list[tuple[bytes, _Entries]], self._client.xread(
+            streams,
             count=_GLOBALS_READ_COUNT,
             block=block_ms if block_ms >= 1 else None,  # BLOCK 0 would wait forever
-        )
+        ))
         if not reply:
             return []
-        entries: list[tuple[bytes, dict[bytes, bytes]]] = reply[0][1]
+        entries = reply[0][1]
         # New entries arrived. Trimming drops the oldest entries first, so if the
         # stream's first entry is now newer than our position, entries we never
         # read may have been trimmed: fall back to the snapshot keys.
@@ -353,7 +360,7 @@ class RedisLearnerTransport(LearnerTransport):
         self._position = _text(entries[-1][0])
         return self._accept_globals(entries)
 
-    def _accept_globals(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[GlobalFragment]:
+    def _accept_globals(self, entries: _Entries) -> list[GlobalFragment]:
         found: list[GlobalFragment] = []
         fetch: list[int] = []  # fragments with a gap or no base: take their snapshot
         for _, fields in entries:
@@ -369,7 +376,8 @@ class RedisLearnerTransport(LearnerTransport):
             else:
                 fetch.append(msg.fragment)
         if fetch:
-            snapshots = self._get_models(fetch, self._client.mget([model_key(self.run_id, p) for p in fetch]))
+            frames = self._client.mget([model_key(self.run_id, p) for p in fetch])
+            snapshots = self._get_models(fetch, frames)
             found.extend(g for g in snapshots.values() if self._advance(g))
         return found
 
@@ -398,7 +406,7 @@ class RedisLearnerTransport(LearnerTransport):
 
     def _get_models(self, fragments: list[int], frames: list[Any]) -> dict[int, GlobalFragment]:
         found: dict[int, GlobalFragment] = {}
-        for p, frame in zip(fragments, frames):
+        for p, frame in zip(fragments, frames, strict=True):
             if frame is None:
                 continue
             msg = self._check_global(frame)
@@ -554,7 +562,8 @@ class RedisSyncerTransport(SyncerTransport):
                 except Exception as e:
                     if isinstance(e, redis.ResponseError) and str(e).startswith("NOGROUP"):
                         # The streams or the group vanished (e.g. redis lost its data).
-                        log.warning("syncer %s: %s; recreating the consumer group", self.consumer, e)
+                        log.warning("syncer %s: %s; recreating the consumer group",
+                                    self.consumer, e)
                         self._groups_ready = False
                         self._reset_pending()
                     elif _is_transient(e):
@@ -581,10 +590,11 @@ class RedisSyncerTransport(SyncerTransport):
         items += self._read_own_pending()
         if not items:
             block_ms = int(min(deadline - time.monotonic(), self._max_block_s) * 1000)
-            reply = self._client.xreadgroup(
-                self.group, self.consumer, dict.fromkeys(self._fragment_of, ">"),
+            streams: dict[KeyT, StreamIdT] = dict.fromkeys(self._fragment_of, ">")
+            reply = cast(list[tuple[bytes, _Entries]], self._client.xreadgroup(
+                self.group, self.consumer, streams,
                 count=_DELTAS_READ_COUNT, block=block_ms if block_ms >= 1 else None,
-            )
+            ))
             for stream, entries in reply or []:
                 items += self._accept_deltas(_text(stream), entries)
         self._ack_rejected()
@@ -596,7 +606,10 @@ class RedisSyncerTransport(SyncerTransport):
         todo = {s: after for s, after in self._pending_after.items() if after is not None}
         if not todo:
             return []
-        reply = self._client.xreadgroup(self.group, self.consumer, todo, count=_DELTAS_READ_COUNT)
+        streams: dict[KeyT, StreamIdT] = {s: after for s, after in todo.items()}
+        reply = cast(list[tuple[bytes, _Entries]], self._client.xreadgroup(
+            self.group, self.consumer, streams, count=_DELTAS_READ_COUNT,
+        ))
         items: list[Inbound] = []
         replied = {_text(stream): entries for stream, entries in reply or []}
         for stream in todo:
@@ -618,10 +631,10 @@ class RedisSyncerTransport(SyncerTransport):
             cursor = self._claim_cursor.get(stream, "0-0")
             if cursor == "done":
                 continue
-            reply = self._client.xautoclaim(
+            reply = cast(list[Any], self._client.xautoclaim(
                 stream, self.group, self.consumer, int(self.claim_idle_s * 1000),
                 start_id=cursor, count=_DELTAS_READ_COUNT,
-            )
+            ))
             next_cursor, entries = _text(reply[0]), reply[1]
             deleted = reply[2] if len(reply) > 2 else []  # redis >= 7 drops them from the PEL
             self.stats.rejected["trimmed"] += len(deleted)
@@ -640,7 +653,7 @@ class RedisSyncerTransport(SyncerTransport):
             self._next_claim_at = time.monotonic() + self._claim_interval_s
         return items
 
-    def _accept_deltas(self, stream: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Inbound]:
+    def _accept_deltas(self, stream: str, entries: _Entries) -> list[Inbound]:
         items: list[Inbound] = []
         for raw_id, fields in entries:
             token = (stream, _text(raw_id))
@@ -651,23 +664,23 @@ class RedisSyncerTransport(SyncerTransport):
                 self._rejected_unacked.append(token)
                 continue
             msg = _check_frame(fields.get(FIELD), self.max_message_bytes, self.stats)
-            reason = None
-            if msg is None:
-                pass
-            elif not isinstance(msg, Delta):
-                reason = "wrong_kind"
-            elif msg.run_id != self.run_id:
-                reason = "wrong_run"
-            elif msg.fragment != self._fragment_of[stream]:
-                reason = "wrong_fragment"
-            if msg is None or reason is not None:
-                if reason is not None:
-                    self.stats.rejected[reason] += 1
-                self._rejected_unacked.append(token)  # it can never become valid
+            if (
+                isinstance(msg, Delta)
+                and msg.run_id == self.run_id
+                and msg.fragment == self._fragment_of[stream]
+            ):
+                self.stats.messages_received += 1
+                self._outstanding.add(token)
+                items.append(Inbound(msg, token))
                 continue
-            self.stats.messages_received += 1
-            self._outstanding.add(token)
-            items.append(Inbound(msg, token))
+            if msg is not None:  # _check_frame counted the others
+                reason = (
+                    "wrong_kind" if not isinstance(msg, Delta)
+                    else "wrong_run" if msg.run_id != self.run_id
+                    else "wrong_fragment"
+                )
+                self.stats.rejected[reason] += 1
+            self._rejected_unacked.append(token)  # it can never become valid: ack it
         return items
 
     def _ack_rejected(self) -> None:
@@ -681,7 +694,7 @@ class RedisSyncerTransport(SyncerTransport):
         if now < self._next_heartbeat_read_at:
             return []
         self._next_heartbeat_read_at = now + _HEARTBEAT_READ_INTERVAL_S
-        frames: dict[bytes, bytes] = self._client.hgetall(learners_key(self.run_id))
+        frames = cast(dict[bytes, bytes], self._client.hgetall(learners_key(self.run_id)))
         items: list[Inbound] = []
         for learner, frame in frames.items():
             if self._heartbeat_frames.get(learner) == frame:
@@ -701,16 +714,17 @@ class RedisSyncerTransport(SyncerTransport):
 
     # -- acknowledging and trimming ------------------------------------------
     def ack(self, items: list[Inbound]) -> None:
+        """XACK the deltas among ``items``, then trim the streams if due (also
+        when ``items`` is empty)."""
         tokens = [cast(tuple[str, str], i.token) for i in items if i.token is not None]
-        if not tokens:
-            return
         self._outstanding.difference_update(tokens)
         if self._reconnect.wait_s():
             # Left pending: our PEL re-read after reconnecting delivers them again,
             # and the caller's de-duplication acks them then.
             return
         try:
-            self._xack(tokens)
+            if tokens:
+                self._xack(tokens)
             self._trim_due()
         except Exception as e:
             if not _is_transient(e):

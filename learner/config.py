@@ -15,7 +15,7 @@ from broker.config_checks import (
 )
 from learner.model import ModelConfig
 
-TRANSPORTS = ("zmq", "redis")
+TRANSPORTS = ("zmq", "redis", "none")  # none: no syncer (data parallel under torchrun)
 
 
 @dataclass
@@ -23,7 +23,7 @@ class LearnerConfig:
     run_id: str = "default"
     learner_id: str = "learner-0"
     # transport
-    transport: str = "zmq"
+    transport: str = "zmq"  # zmq, redis, or none (no syncer: data parallel under torchrun)
     zmq_endpoints: tuple[str, ...] = ("tcp://127.0.0.1:5555",)  # one per syncer
     redis_url: str = "redis://127.0.0.1:6379/0"
     # model and data
@@ -59,6 +59,7 @@ class LearnerConfig:
     max_unacked: int = 64
     metrics_port: int = 0  # 0: no Prometheus endpoint
     log_every: int = 10
+    eval_every: int = 0  # transport none only: held-out loss every this many steps (0: start and end)
 
     def __post_init__(self) -> None:
         check_id("run_id", self.run_id)
@@ -74,7 +75,8 @@ class LearnerConfig:
             check_positive(name, getattr(self, name))
         for name in ("lr", "ack_timeout_s"):
             check_positive(name, getattr(self, name))
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "overlap", "metrics_port"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "overlap", "metrics_port",
+                     "eval_every"):
             check_positive(name, getattr(self, name), allow_zero=True)
         require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}: use [0, 1]")
         require(

@@ -25,7 +25,7 @@ from broker.transport import LearnerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat
 from learner.comm import CommThread, OutgoingDelta, connect_learner
 from learner.config import LearnerConfig
-from learner.data import BatchSampler, load_corpus
+from learner.data import BatchSampler, eval_batches, evaluate, load_corpus
 from learner.fragments import FragmentPlan
 from learner.model import GPT
 from syncer.checkpoint import atomic_write
@@ -82,6 +82,16 @@ class _Group:
                 dist.all_reduce(param.grad)
                 param.grad /= self.world
 
+    def consistent(self, model: torch.nn.Module) -> bool:
+        """Whether every rank holds bit-identical weights (they must, always)."""
+        if self.world == 1:
+            return True
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        lo, hi = flat.clone(), flat.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        return bool(torch.equal(lo, hi))
+
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
@@ -108,11 +118,14 @@ class Learner:
         torch.set_num_threads(cfg.torch_threads)
         self.group = _Group()
         self.incarnation = time.time_ns()
+        self.syncing = cfg.transport != "none"
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank and in every mode
         self.model = GPT(cfg.model)
         self.plan = FragmentPlan.for_model(self.model, cfg.fragments, cfg.sync_every)
         self.params = dict(self.model.named_parameters())
-        self.start_step = self._load_progress()
+        self.start_step, start_tokens = self._load_progress()
         corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
+        self.eval_set = eval_batches(corpus.val, cfg.model.seq_len, 16, 8)
         shard = cfg.shard * self.group.world + self.group.rank
         self.sampler = BatchSampler(
             corpus.train, cfg.model.seq_len, cfg.batch_size, shard,
@@ -127,25 +140,28 @@ class Learner:
         self.c_steps = [0] * cfg.fragments
         self.c_tokens = [0] * cfg.fragments
         self.seq = 0
-        self.tokens = 0
+        self.tokens = start_tokens
         self.comm: CommThread | None = None
         self.metrics = _Metrics(cfg.metrics_port if self.group.leader else 0)
         self._events: TextIO | None = None
         if cfg.metrics_file and self.group.leader:
             Path(cfg.metrics_file).parent.mkdir(parents=True, exist_ok=True)
             self._events = open(cfg.metrics_file, "a", buffering=1)  # noqa: SIM115
-        if self.group.leader:
+        self.transport: LearnerTransport | None = None
+        if self.group.leader and self.syncing:
             self.transport = transport or connect_learner(cfg, self.incarnation)
 
     # -- progress file ----------------------------------------------------------
     def _progress_path(self) -> Path | None:
         return Path(self.cfg.state_dir) / f"{self.cfg.learner_id}.json" if self.cfg.state_dir else None
 
-    def _load_progress(self) -> int:
+    def _load_progress(self) -> tuple[int, int]:
+        """(step, tokens) reached by an earlier incarnation of this learner."""
         path = self._progress_path()
         if path is None or not path.exists():
-            return 0
-        return int(json.loads(path.read_text())["step"])
+            return 0, 0
+        saved = json.loads(path.read_text())
+        return int(saved["step"]), int(saved["tokens"])
 
     def _save_progress(self, step: int) -> None:
         path = self._progress_path()
@@ -163,7 +179,7 @@ class Learner:
     def join(self) -> None:
         """Load every fragment of the current global model before training."""
         arrived: list[GlobalFragment] = []
-        if self.group.leader:
+        if self.transport is not None:
             deadline = time.monotonic() + self.cfg.join_timeout_s
             wanted = list(range(self.cfg.fragments))
             got: dict[int, GlobalFragment] = {}
@@ -236,10 +252,19 @@ class Learner:
         log.warning("fragment %d: no new global within %.0fs; continuing", p, timeout_s)
 
     # -- the loop ---------------------------------------------------------------
+    def _evaluate(self, step: int) -> None:
+        """Without a syncer (data parallel) the learner reports the held-out loss itself."""
+        if not self.syncing and self.group.leader:
+            self.event("eval", step=step, loss=evaluate(self.model, self.eval_set),
+                       tokens=self.tokens)
+
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        self.join()
-        if self.group.leader:
+        if self.syncing:
+            self.join()
+        else:
+            self._evaluate(self.start_step)
+        if self.transport is not None:
             self.comm = CommThread(self.transport, Codec.parse(cfg.codec), cfg.error_feedback)
             self.comm.start()
         self.event("start", step=self.start_step)
@@ -288,7 +313,7 @@ class Learner:
                 elapsed = time.perf_counter() - window_start
                 rate = window_steps / elapsed if elapsed > 0 else 0.0
                 self.metrics.step_rate.set(rate)
-                stats = self.transport.stats if self.group.leader else None
+                stats = self.transport.stats if self.transport is not None else None
                 if stats is not None:
                     self.metrics.bytes_up.set(stats.bytes_sent)
                     self.metrics.bytes_down.set(stats.bytes_received)
@@ -301,6 +326,9 @@ class Learner:
                 )
                 self._save_progress(step)
                 window_start, window_steps = time.perf_counter(), 0
+            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
+                self._evaluate(step)
+        self._evaluate(cfg.steps)
         return self.finish(loss_value)
 
     def finish(self, loss_value: float) -> dict[str, Any]:
@@ -310,15 +338,16 @@ class Learner:
             for p in range(self.cfg.fragments):
                 self._send(p, self.cfg.steps)
             delivered = self.comm.stop(flush_timeout_s=30.0)
-        stats = self.transport.stats if self.group.leader else None
+        stats = self.transport.stats if self.transport is not None else None
         result = {
             "steps": self.cfg.steps, "tokens": self.tokens, "final_train_loss": loss_value,
             "bytes_sent": stats.bytes_sent if stats else 0,
             "bytes_received": stats.bytes_received if stats else 0,
             "delivered": delivered, "dropped": self.comm.dropped if self.comm else 0,
+            "ranks": self.group.world, "ranks_consistent": self.group.consistent(self.model),
         }
         self.event("done", **result)
-        if self.group.leader:
+        if self.transport is not None:
             self.transport.close()
         self.group.close()
         if self._events is not None:

@@ -1,0 +1,190 @@
+"""Turn a run folder's event streams into ``summary.json`` and plots.
+
+Pure over the list of events (except :func:`load_events` and the plotting),
+so the accounting is testable: every figure in a summary is derived from what
+the processes themselves recorded, nothing is assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+SUMMARY_KEYS = (
+    "learners", "steps_per_learner", "tokens_total", "wall_s", "initial_eval_loss",
+    "final_eval_loss", "fragments_published", "deltas_applied", "deltas_rejected", "bytes_up",
+    "bytes_down", "learner_kills", "learner_restarts", "goodput", "uptime",
+)
+
+
+def load_events(out: Path) -> list[dict[str, Any]]:
+    """Every process's JSON lines, tagged with their source, in time order."""
+    sources = [("launcher", out / "launcher.jsonl"), ("syncer", out / "syncer.jsonl")]
+    sources += [(p.stem, p) for p in sorted((out / "learners").glob("*.jsonl"))]
+    events: list[dict[str, Any]] = []
+    for source, path in sources:
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by SIGKILL
+            e.setdefault("source", source)
+            events.append(e)
+    events.sort(key=lambda e: e["t"])
+    return events
+
+
+def _intervals(events: list[dict[str, Any]], end: float) -> dict[str, list[tuple[float, float]]]:
+    """When each learner was training: from its 'start' to its 'done' or its kill."""
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    open_since: dict[str, float] = {}
+    for e in events:
+        if e["event"] == "start" and "learner" in e:
+            open_since[e["learner"]] = e["t"]
+        elif e["event"] == "done" and e.get("learner") in open_since:
+            spans[e["learner"]].append((open_since.pop(e["learner"]), e["t"]))
+        elif e["event"] == "process_kill" and e.get("process") in open_since:
+            spans[e["process"]].append((open_since.pop(e["process"]), e["t"]))
+    for name, since in open_since.items():
+        spans[name].append((since, end))
+    return spans
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_end is None or s > cur_end:
+            if cur_end is not None and cur_start is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    if cur_end is not None and cur_start is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def summarise(events: list[dict[str, Any]], mode: str, learners: int, steps: int,
+              quorum: int | None = None) -> dict[str, Any]:
+    start = next(e["t"] for e in events if e["event"] == "run_start")
+    end = next((e["t"] for e in reversed(events) if e["event"] == "run_end"), events[-1]["t"])
+    evals = [e for e in events if e["event"] == "eval"]
+    rounds = [e for e in events if e["event"] == "round"]
+    fragments = int(next(e for e in events if e["event"] == "run_start")["args"]["fragments"])
+
+    # Per learner incarnation, the last cumulative counters it reported.
+    last: dict[tuple[str, int], dict[str, Any]] = {}
+    tokens_per_step: list[float] = []
+    rates: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e["event"] in ("step", "done") and "learner" in e:
+            last[(e["learner"], e["incarnation"])] = e
+        if e["event"] == "step" and e.get("steps_per_s"):
+            rates[e["learner"]].append(e["steps_per_s"])
+            if e["step"]:
+                tokens_per_step.append(e["tokens"] / e["step"])
+    per_learner_tokens: dict[str, int] = defaultdict(int)
+    for (name, _), e in last.items():
+        per_learner_tokens[name] = max(per_learner_tokens[name], int(e.get("tokens", 0)))
+    tokens_total = sum(per_learner_tokens.values())
+
+    spans = _intervals(events, end)
+    all_spans = [s for v in spans.values() for s in v]
+    train_start = min((s for s, _ in all_spans), default=start)
+    train_end = max((e for _, e in all_spans), default=end)
+    uptime = _union_length(all_spans) / (train_end - train_start) if train_end > train_start else 0.0
+
+    # Goodput: tokens that reached the global model over what the learners would
+    # have trained at their undisturbed speed while the run lasted. Every delta
+    # covers its learner's tokens once per fragment, hence the division by P.
+    tps = statistics.median(tokens_per_step) if tokens_per_step else 0.0
+    undisturbed = 0.0
+    for name, learner_spans in spans.items():
+        first = min(s for s, _ in learner_spans)
+        finish = max(e for _, e in learner_spans)
+        rate = statistics.median(rates[name]) if rates[name] else 0.0
+        undisturbed += rate * tps * (finish - first)
+    if mode == "ddp":
+        useful = float(tokens_total)
+    else:
+        useful = sum(e["tokens"] for e in rounds) / fragments
+    goodput = min(1.0, useful / undisturbed) if undisturbed > 0 else 0.0
+
+    kills = [e for e in events if e["event"] == "process_kill" and e.get("reason") != "shutdown"]
+    restarts = [e for e in events if e["event"] == "process_restart"]
+    summary: dict[str, Any] = {
+        "mode": mode,
+        "learners": learners,
+        "quorum": quorum,
+        "steps_per_learner": steps,
+        "tokens_total": tokens_total,
+        "wall_s": round(end - start, 2),
+        "initial_eval_loss": evals[0]["loss"] if evals else None,
+        "final_eval_loss": evals[-1]["loss"] if evals else None,
+        "fragments_published": len(rounds),
+        "deltas_applied": sum(e["included"] for e in rounds),
+        "deltas_rejected": sum(1 for e in events if e["event"] == "reject"),
+        "bytes_up": sum(int(e.get("bytes_sent", 0)) for e in last.values()),
+        "bytes_down": sum(int(e.get("bytes_received", 0)) for e in last.values()),
+        "learner_kills": sum(1 for e in kills if e["process"].startswith("learner")),
+        "learner_restarts": sum(1 for e in restarts if e["process"].startswith("learner")),
+        "syncer_kills": sum(1 for e in kills if e["process"] == "syncer"),
+        "goodput": round(goodput, 4),
+        "uptime": round(uptime, 4),
+        "merged_tokens": useful,
+        "mean_steps_per_s": round(statistics.mean(
+            statistics.median(r) for r in rates.values()), 3) if rates else None,
+        "eval_curve": [[e.get("learner_tokens", e.get("tokens")), e["loss"]] for e in evals],
+    }
+    return summary
+
+
+def plot_run(events: list[dict[str, Any]], folder: Path) -> list[Path]:
+    """loss_vs_tokens.png and timeline.png; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    evals = [e for e in events if e["event"] == "eval"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if evals:
+        ax.plot([e.get("learner_tokens", e.get("tokens", 0)) for e in evals],
+                [e["loss"] for e in evals], marker="o", ms=3)
+    ax.set_xlabel("tokens trained (all learners)")
+    ax.set_ylabel("held-out loss of the global model")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(folder / "loss_vs_tokens.png", dpi=110)
+    plt.close(fig)
+    written.append(folder / "loss_vs_tokens.png")
+
+    start = events[0]["t"]
+    end = events[-1]["t"]
+    spans = _intervals(events, end)
+    names = sorted(spans)
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
+    for row, name in enumerate(names):
+        for s, e in spans[name]:
+            ax.barh(row, e - s, left=s - start, color="tab:blue", height=0.5)
+    for e in events:
+        if e["event"] == "process_kill" and e.get("reason") != "shutdown" and e["process"] in names:
+            ax.plot(e["t"] - start, names.index(e["process"]), "rx", ms=10)
+        if e["event"] == "process_restart" and e["process"] in names:
+            ax.plot(e["t"] - start, names.index(e["process"]), "g>", ms=7)
+        if e["event"] == "process_kill" and e["process"] == "syncer":
+            ax.axvline(e["t"] - start, color="red", ls="--", lw=1)
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel("seconds since start (bars: training; x: SIGKILL; >: restart; dashed: syncer killed)")
+    fig.tight_layout()
+    fig.savefig(folder / "timeline.png", dpi=110)
+    plt.close(fig)
+    written.append(folder / "timeline.png")
+    return written

@@ -1,0 +1,540 @@
+"""Integration tests of the Redis Streams transport against a real redis-server.
+
+Each test gets a private redis-server (AOF, appendfsync always) on a free port.
+The consumer-process tests run ``tests/transport_consumer.py``, which records
+every applied delta in SQLite with de-duplication and acks only after its
+commit: "exactly once" means SQLite holds every sent (learner, seq) once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from broker.redis_transport import (
+    FIELD,
+    GROUP,
+    RedisLearnerTransport,
+    RedisSyncerTransport,
+    delta_stream_key,
+    globals_stream_key,
+    learners_key,
+    model_key,
+)
+from broker.transport import Backpressure, Inbound
+from broker.wire import Delta, GlobalFragment, Heartbeat, encode
+from tests.servers import RedisServer, wait_until
+
+pytestmark = pytest.mark.integration
+
+RUN = "test"
+PLAN_HASH = "0123456789abcdef"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- helpers -------------------------------------------------------------------
+def make_delta(learner: str, seq: int, fragment: int, numel: int = 4, run: str = RUN) -> Delta:
+    payload = torch.full((numel,), float(seq)).numpy().tobytes()
+    return Delta(
+        run_id=run, learner_id=learner, incarnation=1, seq=seq, fragment=fragment,
+        plan_hash=PLAN_HASH, base_version=0, step=seq, c_steps=1, c_tokens=64,
+        codec="fp32", numel=numel, payload=payload, sent_at=time.time(),
+    )
+
+
+def make_global(fragment: int, version: int, run: str = RUN) -> GlobalFragment:
+    payload = torch.full((4,), float(version)).numpy().tobytes()
+    return GlobalFragment(
+        run_id=run, fragment=fragment, plan_hash=PLAN_HASH, version=version,
+        codec="fp32", numel=4, payload=payload, sent_at=time.time(),
+    )
+
+
+def versions_of(globals_: list[GlobalFragment]) -> list[tuple[int, int]]:
+    return [(g.fragment, g.version) for g in globals_]
+
+
+def send_all(transport: RedisLearnerTransport, deltas: list[Delta], pace_s: float = 0.0) -> None:
+    """What a learner's comm thread does: hand deltas over, wait on backpressure."""
+    for delta in deltas:
+        while True:
+            try:
+                transport.send_delta(delta)
+                break
+            except Backpressure:
+                transport.poll(0.05)
+        if pace_s:
+            transport.poll(pace_s)
+    assert transport.flush(60.0), f"{transport.unacked} deltas never delivered"
+
+
+def run_learners(
+    url: str, counts: dict[str, int], num_fragments: int, pace_s: float = 0.0,
+) -> tuple[ThreadPoolExecutor, list]:
+    """One thread and one transport per learner; delta seq s goes to fragment s % P."""
+    pool = ThreadPoolExecutor(len(counts))
+    transports = {
+        name: RedisLearnerTransport(url, RUN, name, num_fragments, max_unacked=16)
+        for name in counts
+    }
+
+    def work(name: str) -> RedisLearnerTransport:
+        deltas = [make_delta(name, s, s % num_fragments) for s in range(counts[name])]
+        send_all(transports[name], deltas, pace_s)
+        return transports[name]
+
+    return pool, [pool.submit(work, name) for name in counts]
+
+
+def applied(db: Path) -> tuple[int, int]:
+    """(rows, distinct (learner, incarnation, seq)) in the consumer's SQLite file."""
+    if not db.exists():
+        return 0, 0
+    con = sqlite3.connect(db, timeout=5)
+    try:
+        rows, distinct = con.execute(
+            "SELECT COUNT(*), COUNT(DISTINCT learner || ':' || incarnation || ':' || seq)"
+            " FROM applied"
+        ).fetchone()
+        return int(rows), int(distinct)
+    except sqlite3.OperationalError:  # the consumer has not created the table yet
+        return 0, 0
+    finally:
+        con.close()
+
+
+def pending_total(client: redis.Redis, fragments: range) -> int:
+    return sum(
+        int(client.xpending(delta_stream_key(RUN, p), GROUP)["pending"]) for p in fragments
+    )
+
+
+class ConsumerProcess:
+    """``python -m tests.transport_consumer`` as a real process that can be SIGKILLed."""
+
+    def __init__(self, url: str, db: Path, log: Path, syncer_id: str = "syncer-0") -> None:
+        self.args = [
+            sys.executable, "-m", "tests.transport_consumer", "--backend", "redis",
+            "--url", url, "--db", str(db), "--run", RUN, "--syncer-id", syncer_id,
+        ]
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.args, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=log,
+            )
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        assert self.proc is None or self.proc.returncode in (0, -signal.SIGKILL), (
+            self.log.read_text()[-2000:]
+        )
+
+
+@contextmanager
+def consumer_process(url: str, tmp_path: Path) -> Iterator[tuple[ConsumerProcess, Path]]:
+    db = tmp_path / "applied.sqlite"
+    consumer = ConsumerProcess(url, db, tmp_path / "consumer.log")
+    consumer.start()
+    try:
+        yield consumer, db
+    finally:
+        consumer.stop()
+
+
+def receive_until(
+    syncer: RedisSyncerTransport, count: int, timeout_s: float = 20.0,
+) -> list[Inbound]:
+    """Receive deltas (not acking them) until ``count`` arrived."""
+    got: list[Inbound] = []
+
+    def enough() -> bool:
+        got.extend(i for i in syncer.receive(0.1) if isinstance(i.message, Delta))
+        return len(got) >= count
+
+    wait_until(enough, timeout_s, interval_s=0, what=f"{count} deltas")
+    return got
+
+
+def delta_keys(items: list[Inbound]) -> set[tuple[str, int]]:
+    keys = set()
+    for item in items:
+        assert isinstance(item.message, Delta)
+        keys.add((item.message.learner_id, item.message.seq))
+    return keys
+
+
+# -- 1. throughput, exactly once ----------------------------------------------------
+@pytest.mark.timeout(120)
+def test_ten_thousand_deltas_from_four_learners_applied_exactly_once(
+    redis_server: RedisServer, tmp_path: Path,
+) -> None:
+    counts = {f"learner-{i}": 2500 for i in range(4)}
+    with consumer_process(redis_server.url, tmp_path) as (_, db):
+        pool, futures = run_learners(redis_server.url, counts, num_fragments=4)
+        with pool:
+            learners = [f.result(timeout=90) for f in futures]
+        assert sum(t.stats.messages_sent for t in learners) == 10_000
+        wait_until(lambda: applied(db)[0] >= 10_000, 90, interval_s=0.1, what="10,000 applied")
+        client = redis.Redis.from_url(redis_server.url)
+        wait_until(lambda: pending_total(client, range(4)) == 0, 10, what="all acked")
+    assert applied(db) == (10_000, 10_000)
+    for t in learners:
+        t.close()
+
+
+# -- 2. consumer killed mid-stream ----------------------------------------------------
+@pytest.mark.timeout(120)
+def test_consumer_sigkilled_twice_mid_stream_applies_every_delta_once(
+    redis_server: RedisServer, tmp_path: Path,
+) -> None:
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    total = 3000
+    counts = {"learner-0": total // 2, "learner-1": total // 2}
+    kill_points = sorted([rng.randint(total // 10, total // 3), rng.randint(total // 2, 3 * total // 4)])
+    with consumer_process(redis_server.url, tmp_path) as (consumer, db):
+        pool, futures = run_learners(redis_server.url, counts, num_fragments=4, pace_s=0.0005)
+        with pool:
+            for point in kill_points:
+                wait_until(lambda p=point: applied(db)[0] >= p, 60, interval_s=0.005,
+                           what=f"{point} applied (seed {seed})")
+                consumer.kill()
+                consumer.start()  # same consumer name: re-reads its own pending entries
+            learners = [f.result(timeout=60) for f in futures]
+        wait_until(lambda: applied(db)[0] >= total, 60, interval_s=0.1,
+                   what=f"all applied (seed {seed})")
+        client = redis.Redis.from_url(redis_server.url)
+        wait_until(lambda: pending_total(client, range(4)) == 0, 10, what="all acked")
+    assert applied(db) == (total, total), f"seed {seed}, kills at {kill_points}"
+    for t in learners:
+        t.close()
+
+
+# -- 3. redis-server killed mid-stream ------------------------------------------------
+@pytest.mark.timeout(120)
+def test_redis_sigkilled_mid_stream_loses_nothing_acknowledged(
+    redis_server: RedisServer, tmp_path: Path,
+) -> None:
+    total = 2000
+    counts = {"learner-0": total // 2, "learner-1": total // 2}
+    with consumer_process(redis_server.url, tmp_path) as (_, db):
+        pool, futures = run_learners(redis_server.url, counts, num_fragments=4, pace_s=0.002)
+        with pool:
+            wait_until(lambda: applied(db)[0] >= total // 4, 60, interval_s=0.01,
+                       what="a quarter applied")
+            assert not all(f.done() for f in futures), "learners finished before the kill"
+            redis_server.kill()  # SIGKILL: only what the AOF holds survives
+            redis_server.start()  # same port and folder
+            learners = [f.result(timeout=90) for f in futures]
+        # Every XADD the learners saw acknowledged left their queues; flush() above
+        # returned True, so all `total` were acknowledged at some point.
+        assert sum(t.stats.messages_sent for t in learners) == total
+        assert sum(t.connection_errors for t in learners) > 0, "learners never saw the outage"
+        wait_until(lambda: applied(db)[0] >= total, 60, interval_s=0.1, what="all applied")
+        client = redis.Redis.from_url(redis_server.url)
+        wait_until(lambda: pending_total(client, range(4)) == 0, 15, what="all acked")
+    assert applied(db) == (total, total)
+    for t in learners:
+        t.close()
+
+
+# -- 4. a dead consumer's pending entries are claimed --------------------------------
+@pytest.mark.timeout(60)
+def test_second_consumer_claims_pending_entries_of_a_dead_one(redis_server: RedisServer) -> None:
+    url = redis_server.url
+    learner = RedisLearnerTransport(url, RUN, "learner-0", num_fragments=2)
+    sent = [make_delta("learner-0", s, s % 2) for s in range(300)]
+    send_all(learner, sent)
+
+    dead = RedisSyncerTransport(url, RUN, "syncer-dead", [0, 1], claim_idle_s=60)
+    held = receive_until(dead, 120)
+    dead.ack(held[:40])  # it applied some, then died holding the rest
+    dead.close()
+    client = redis.Redis.from_url(url)
+    pending = {
+        c["name"]: c["pending"]
+        for p in range(2) for c in client.xpending(delta_stream_key(RUN, p), GROUP)["consumers"]
+    }
+    assert sum(pending.values()) == len(held) - 40 and set(pending) == {b"syncer-dead"}
+
+    heir = RedisSyncerTransport(url, RUN, "syncer-heir", [0, 1], claim_idle_s=0.5)
+    got: list[Inbound] = []
+
+    def all_in() -> bool:
+        items = [i for i in heir.receive(0.1) if isinstance(i.message, Delta)]
+        got.extend(items)
+        heir.ack(items)
+        return len(delta_keys(got) | delta_keys(held[:40])) >= len(sent)
+
+    wait_until(all_in, 20, interval_s=0, what="every delta applied by one of the two")
+    assert delta_keys(got) | delta_keys(held[:40]) == {("learner-0", s) for s in range(300)}
+    assert len(got) == len(sent) - 40, "the heir got an entry twice or one the dead one acked"
+    claimed = {i.token for i in got} & {i.token for i in held[40:]}
+    assert len(claimed) == len(held) - 40
+    assert pending_total(client, range(2)) == 0
+    heir.close()
+    learner.close()
+
+
+# -- 5. late joiners, gaps and trimmed globals ------------------------------------
+@pytest.mark.timeout(60)
+def test_late_joiner_snapshot_then_poll_gets_exactly_the_later_versions(
+    redis_server: RedisServer,
+) -> None:
+    url = redis_server.url
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1, 2, 3])
+    for version in (1, 2, 3):
+        for p in (0, 1, 2):
+            syncer.publish(make_global(p, version))
+
+    joiner = RedisLearnerTransport(url, RUN, "late", num_fragments=4)
+    snap = joiner.snapshot([0, 1, 2, 3], timeout_s=5)
+    assert sorted((p, g.version) for p, g in snap.items()) == [(0, 3), (1, 3), (2, 3)]
+    assert torch.equal(snap[1].tensor(), torch.full((4,), 3.0))
+
+    later = [(0, 4), (1, 4), (3, 0), (1, 5), (2, 4), (3, 1)]
+    for p, version in later:
+        syncer.publish(make_global(p, version))
+    got: list[GlobalFragment] = []
+    wait_until(lambda: got.extend(joiner.poll(0.1)) or len(got) >= len(later), 10,
+               interval_s=0, what="the later versions")
+    assert versions_of(got) == later  # fragment 3 was unknown at the snapshot: version 0 is next
+    assert joiner.poll(0.2) == []
+    assert joiner.stats.rejected == Counter()
+
+    # A learner that never took a snapshot starts from the latest of each fragment.
+    fresh = RedisLearnerTransport(url, RUN, "fresh", num_fragments=4)
+    assert versions_of(fresh.poll(1.0)) == [(0, 4), (1, 5), (2, 4), (3, 1)]
+    syncer.publish(make_global(2, 5))
+    got = []
+    wait_until(lambda: got.extend(fresh.poll(0.1)) or got, 10, interval_s=0, what="v5")
+    assert versions_of(got) == [(2, 5)]
+    for t in (joiner, fresh, syncer):
+        t.close()
+
+
+@pytest.mark.timeout(60)
+def test_learner_resyncs_after_globals_trimmed_past_it_or_a_missing_version(
+    redis_server: RedisServer,
+) -> None:
+    url = redis_server.url
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1], globals_maxlen=3)
+    syncer.publish(make_global(0, 1))
+    syncer.publish(make_global(1, 1))
+    learner = RedisLearnerTransport(url, RUN, "slow", num_fragments=2)
+    assert {p: g.version for p, g in learner.snapshot([0, 1], 5).items()} == {0: 1, 1: 1}
+
+    # Fragment 1's only new version is trimmed away before the learner reads:
+    # only the trim detection can find it (no later entry of fragment 1 shows a gap).
+    syncer.publish(make_global(1, 2))
+    for version in range(2, 9):
+        syncer.publish(make_global(0, version))
+    client = redis.Redis.from_url(url)
+    assert client.xlen(globals_stream_key(RUN)) == 3
+    got: list[GlobalFragment] = []
+    wait_until(lambda: got.extend(learner.poll(0.1)) or len(got) >= 2, 10, interval_s=0,
+               what="the resync")
+    assert versions_of(got) == [(0, 8), (1, 2)]
+    assert learner.poll(0.2) == []
+
+    # A version missing from the stream (deleted here) is a gap: the learner
+    # takes the snapshot key, which already holds the newest version.
+    ids = [syncer.publish(make_global(0, v)) or client.xrevrange(globals_stream_key(RUN), count=1)[0][0]
+           for v in (9, 10, 11)]
+    client.xdel(globals_stream_key(RUN), ids[0])
+    got = []
+    wait_until(lambda: got.extend(learner.poll(0.1)) or got, 10, interval_s=0, what="the gap")
+    assert versions_of(got) == [(0, 11)]
+    assert learner.poll(0.2) == []
+    for t in (learner, syncer):
+        t.close()
+
+
+# -- 6. bad input ----------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_syncer_rejects_counts_and_acks_bad_entries_and_keeps_going(
+    redis_server: RedisServer,
+) -> None:
+    url = redis_server.url
+    client = redis.Redis.from_url(url)
+    stream = delta_stream_key(RUN, 0)
+    limit = 16 * 1024
+    # The group exists before anything is written, as it does in a running system.
+    dead = RedisSyncerTransport(url, RUN, "syncer-dead", [0], claim_idle_s=60)
+    good = encode(make_delta("learner-0", 0, 0))
+    bad_checksum = bytearray(good)
+    bad_checksum[-1] ^= 0xFF
+    entries = [
+        ("bad_magic", b"this is not a frame, just some bytes"),
+        ("truncated", good[:-7]),
+        ("too_large", encode(make_delta("learner-0", 99, 0, numel=8192))),  # 32 KiB payload
+        ("wrong_kind", encode(Heartbeat(run_id=RUN, learner_id="learner-0"))),
+        ("wrong_fragment", encode(make_delta("learner-0", 98, 1))),
+        ("wrong_run", encode(make_delta("learner-0", 97, 0, run="other"))),
+        ("bad_checksum", bytes(bad_checksum)),
+    ]
+    client.xadd(stream, {FIELD: good})
+    for _, frame in entries:
+        client.xadd(stream, {FIELD: frame})
+    client.xadd(stream, {b"not-m": b"x"})
+    client.xadd(stream, {FIELD: encode(make_delta("learner-0", 1, 0))})
+    # Two good deltas delivered to a consumer that dies; one of them is then
+    # deleted (as a MAXLEN trim would) while pending: it must come back "trimmed".
+    client.xadd(stream, {FIELD: encode(make_delta("learner-0", 2, 0))})
+    doomed_id = client.xadd(stream, {FIELD: encode(make_delta("learner-0", 3, 0))})
+    # ... and a heartbeat hash with one good and one garbage value.
+    client.hset(learners_key(RUN), "learner-0", encode(Heartbeat(run_id=RUN, learner_id="learner-0")))
+    client.hset(learners_key(RUN), "intruder", b"garbage garbage garbage garbage")
+
+    dead_got = dead.receive(1.0)
+    doomed = [i for i in dead_got if i.token == (stream, doomed_id.decode())]
+    assert doomed, "the dying consumer did not receive the doomed entry"
+    taken = [i for i in dead_got if isinstance(i.message, Delta)]
+    dead.ack([i for i in taken if i.message.seq in (0, 1)])  # type: ignore[union-attr]
+    dead.close()
+    client.xdel(stream, doomed_id)
+
+    syncer = RedisSyncerTransport(url, RUN, "syncer-live", [0], claim_idle_s=0.3,
+                                  max_message_bytes=limit)
+    heartbeats: list[Heartbeat] = []
+    seqs: set[int] = set()
+
+    def settled() -> bool:
+        items = syncer.receive(0.1)
+        heartbeats.extend(i.message for i in items if isinstance(i.message, Heartbeat))
+        seqs.update(i.message.seq for i in items if isinstance(i.message, Delta))
+        syncer.ack(items)
+        return 2 in seqs and syncer.stats.rejected["trimmed"] >= 1
+
+    wait_until(settled, 10, interval_s=0, what="the dead consumer's entries to be claimed")
+    assert seqs == {2}  # 0 and 1 were acked by the dead consumer; 3 was deleted
+    assert [h.learner_id for h in heartbeats] == ["learner-0"]
+    # The dead consumer rejected the bad delta entries (and acked them) already.
+    expected = Counter({reason: 1 for reason, _ in entries})
+    expected["bad_entry"] = 1
+    assert dead.stats.rejected == expected + Counter({"bad_magic": 1})  # the heartbeat garbage
+    assert syncer.stats.rejected == Counter({"trimmed": 1, "bad_magic": 1})
+
+    # A trimmed pending entry in a restarted consumer's own pending list.
+    client.xadd(stream, {FIELD: encode(make_delta("learner-0", 4, 0))})
+    own_doomed = [i for i in syncer.receive(1.0) if isinstance(i.message, Delta)]
+    assert [i.message.seq for i in own_doomed] == [4]  # type: ignore[union-attr]
+    syncer.close()
+    client.xdel(stream, own_doomed[0].token[1])
+    restarted = RedisSyncerTransport(url, RUN, "syncer-live", [0], max_message_bytes=limit)
+    client.xadd(stream, {FIELD: encode(make_delta("learner-0", 5, 0))})
+    got = receive_until(restarted, 1)
+    assert [i.message.seq for i in got] == [5]  # type: ignore[union-attr]
+    assert restarted.stats.rejected["trimmed"] == 1
+    restarted.ack(got)
+    wait_until(lambda: pending_total(client, range(1)) == 0 or restarted.receive(0.05) and False,
+               5, what="nothing pending")
+    restarted.close()
+
+
+@pytest.mark.timeout(30)
+def test_learner_rejects_bad_globals_and_keeps_reading(redis_server: RedisServer) -> None:
+    url = redis_server.url
+    client = redis.Redis.from_url(url)
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0])
+    syncer.publish(make_global(0, 1))
+    learner = RedisLearnerTransport(url, RUN, "learner-0", num_fragments=2,
+                                    max_message_bytes=4096)
+    assert versions_of(learner.poll(1.0)) == [(0, 1)]
+    client.xadd(globals_stream_key(RUN), {FIELD: b"\x00" * 64})
+    client.xadd(globals_stream_key(RUN), {FIELD: encode(make_delta("learner-0", 0, 0))})
+    client.xadd(globals_stream_key(RUN), {FIELD: encode(make_global(5, 1))})  # no fragment 5
+    syncer.publish(make_global(0, 2))
+    got: list[GlobalFragment] = []
+    wait_until(lambda: got.extend(learner.poll(0.1)) or got, 10, interval_s=0, what="v2")
+    assert versions_of(got) == [(0, 2)]
+    assert learner.stats.rejected == Counter({"bad_magic": 1, "wrong_kind": 1, "wrong_fragment": 1})
+    learner.close()
+    syncer.close()
+
+
+# -- 7. bounded streams -----------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_delta_streams_stay_bounded_and_trimming_keeps_unacked_entries(
+    redis_server: RedisServer,
+) -> None:
+    url = redis_server.url
+    client = redis.Redis.from_url(url)
+    learner = RedisLearnerTransport(url, RUN, "learner-0", num_fragments=2)
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1])
+    send_all(learner, [make_delta("learner-0", s, s % 2) for s in range(400)])
+    got = receive_until(syncer, 400)
+    rng = random.Random(7)
+    held = [i for i in got if i.message.seq < 6 or rng.random() < 0.05]  # type: ignore[union-attr]
+    held_tokens = {i.token for i in held}
+    syncer.ack([i for i in got if i.token not in held_tokens])
+    send_all(learner, [make_delta("learner-0", s, s % 2) for s in range(400, 500)])  # unread
+
+    def ids(p: int) -> list[bytes]:
+        return [entry_id for entry_id, _ in client.xrange(delta_stream_key(RUN, p))]
+
+    def expected_len(p: int) -> int:
+        oldest_held = min(t[1] for t in held_tokens if t[0] == delta_stream_key(RUN, p))
+        return sum(1 for i in ids(p) if _id(i) >= _id(oldest_held))
+
+    def trimmed_to_oldest_held() -> bool:
+        syncer.ack([])  # trimming runs at most every second per stream
+        return all(client.xlen(delta_stream_key(RUN, p)) == expected_len(p) for p in (0, 1))
+
+    wait_until(trimmed_to_oldest_held, 10, what="trim to the oldest unacked entry")
+    assert all(client.xlen(delta_stream_key(RUN, p)) < 250 for p in (0, 1))
+    present = {(delta_stream_key(RUN, p), i.decode()) for p in (0, 1) for i in ids(p)}
+    assert held_tokens <= present, "trimming removed an unacked entry"
+    assert sum(len(ids(p)) for p in (0, 1)) >= 100 + len(held)  # unread ones kept too
+
+    syncer.ack(held)
+    rest = receive_until(syncer, 100)
+    assert {i.message.seq for i in rest} == set(range(400, 500))  # type: ignore[union-attr]
+    syncer.ack(rest)
+
+    def empty() -> bool:
+        syncer.ack([])
+        return all(client.xlen(delta_stream_key(RUN, p)) == 0 for p in (0, 1))
+
+    wait_until(empty, 10, what="every acked entry trimmed")
+    learner.close()
+    syncer.close()
+
+
+def _id(entry_id: bytes | str) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq)
+
+
+def test_unused_imports_guard() -> None:
+    # os and threading are used by helpers in other test modules' style; keep lint honest
+    assert os and threading
