@@ -73,6 +73,11 @@ _GLOBALS_READ_COUNT = 16  # globals are whole fragments: read few at a time
 _DELTAS_READ_COUNT = 64  # per stream and call
 _HEARTBEAT_READ_INTERVAL_S = 0.25
 _TRIM_INTERVAL_S = 1.0
+# redis ends a blocking read on its timer tick (every 100 ms at the default
+# hz 10), so BLOCK b returns after b to b + 100 ms: block only for what is left
+# after one tick, and poll without blocking in the last tick of a wait.
+_REDIS_TICK_S = 0.1
+_TAIL_POLL_S = 0.02
 
 # Errors after which the same request may succeed later: the server is down,
 # restarting, loading its AOF, out of memory, or failing to write its AOF.
@@ -123,6 +128,18 @@ def _text(value: bytes | str) -> str:
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
     ms, _, seq = _text(entry_id).partition("-")
     return int(ms), int(seq or 0)
+
+
+def _block_ms(deadline: float, max_block_s: float) -> int | None:
+    """BLOCK argument that returns by ``deadline``; None: read without blocking
+    (BLOCK 0 would wait forever)."""
+    block_s = min(deadline - time.monotonic() - _REDIS_TICK_S, max_block_s)
+    return int(block_s * 1000) if block_s >= 0.001 else None
+
+
+def _sleep_tail(deadline: float) -> None:
+    """After a non-blocking read found nothing: wait a little, client side."""
+    time.sleep(min(max(0.0, deadline - time.monotonic()), _TAIL_POLL_S))
 
 
 def _is_transient(error: Exception) -> bool:
@@ -339,14 +356,14 @@ class RedisLearnerTransport(LearnerTransport):
     def _read_globals(self, deadline: float) -> list[GlobalFragment]:
         if self._position is None:
             return self._resync()
-        block_ms = int(min(deadline - time.monotonic(), self._max_block_s) * 1000)
+        block_ms = _block_ms(deadline, self._max_block_s)
         streams: dict[KeyT, StreamIdT] = {self._globals: self._position}
         reply = cast(list[tuple[bytes, _Entries]], self._client.xread(
-            streams,
-            count=_GLOBALS_READ_COUNT,
-            block=block_ms if block_ms >= 1 else None,  # BLOCK 0 would wait forever
+            streams, count=_GLOBALS_READ_COUNT, block=block_ms,
         ))
         if not reply:
+            if block_ms is None:
+                _sleep_tail(deadline)
             return []
         entries = reply[0][1]
         # New entries arrived. Trimming drops the oldest entries first, so if the
@@ -589,14 +606,15 @@ class RedisSyncerTransport(SyncerTransport):
         items += self._claim_abandoned()
         items += self._read_own_pending()
         if not items:
-            block_ms = int(min(deadline - time.monotonic(), self._max_block_s) * 1000)
+            block_ms = _block_ms(deadline, self._max_block_s)
             streams: dict[KeyT, StreamIdT] = dict.fromkeys(self._fragment_of, ">")
             reply = cast(list[tuple[bytes, _Entries]], self._client.xreadgroup(
-                self.group, self.consumer, streams,
-                count=_DELTAS_READ_COUNT, block=block_ms if block_ms >= 1 else None,
+                self.group, self.consumer, streams, count=_DELTAS_READ_COUNT, block=block_ms,
             ))
             for stream, entries in reply or []:
                 items += self._accept_deltas(_text(stream), entries)
+            if not reply and block_ms is None:
+                _sleep_tail(deadline)
         self._ack_rejected()
         return items
 

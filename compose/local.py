@@ -67,6 +67,10 @@ def add_local_args(p: argparse.ArgumentParser) -> None:
                    help="per-learner slowdown factors, e.g. 1,1,1.5,2 (default: all 1)")
     p.add_argument("--mode", choices=MODES, default="decoupled")
     p.add_argument("--eval-every-s", type=float, default=10.0)
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--n-layer", type=int, default=4, help="model depth")
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live table")
 
 
@@ -207,7 +211,9 @@ class LocalRun:
     def _common(self) -> list[str]:
         a = self.args
         return ["--run-id", "local", "--fragments", str(a.fragments), "--sync-every",
-                str(a.sync_every), "--overlap", str(a.overlap), "--seed", str(a.seed)]
+                str(a.sync_every), "--overlap", str(a.overlap), "--seed", str(a.seed),
+                "--model-d-model", str(a.d_model), "--model-n-layer", str(a.n_layer),
+                "--model-n-head", str(a.n_head), "--model-seq-len", str(a.seq_len)]
 
     def _transport(self) -> list[str]:
         a = self.args

@@ -64,6 +64,7 @@ class RoundResult:
     tokens: int  # tokens behind them
     refs: list[Any]  # everything to acknowledge once the new state is durable
     learners: list[str] = field(default_factory=list)
+    keys: list[tuple[str, int, int]] = field(default_factory=list)  # (learner, incarnation, seq)
 
 
 def canonical(codec: Codec, weights: torch.Tensor) -> tuple[torch.Tensor, bytes]:
@@ -127,12 +128,8 @@ class FragmentState:
         except StaleDelta as e:
             return e.reason
         grad = outer_gradient(tensor, base, self.weights)
-        norm = float(grad.norm())
-        if len(self._recent_norms) >= QUARANTINE_MIN_SAMPLES:
-            median = statistics.median(self._recent_norms)
-            if median > 0 and norm > self.params.quarantine_factor * median:
-                return "quarantined"
-        self._recent_norms.append(norm)
+        if self._quarantined(float(tensor.norm()) / delta.c_steps):
+            return "quarantined"
         if current is not None:
             # The newer delta of the same learner already contains the older one's
             # progress (it is measured from a base, not from the last send).
@@ -142,6 +139,23 @@ class FragmentState:
         )
         self.round.add(delta.learner_id, now)
         return ACCEPTED
+
+    def _quarantined(self, norm_per_step: float) -> bool:
+        """Whether a delta's size is far outside what learners recently sent.
+
+        The statistic is the delta's norm per inner step, so a delta covering
+        more steps is not mistaken for an attack. Every observation enters the
+        window, refused or not: if all learners legitimately grow (say, after
+        warmup) the median follows them, while a single bad learner among M
+        supplies too few observations to move it.
+        """
+        window = self._recent_norms
+        outlier = (
+            len(window) >= QUARANTINE_MIN_SAMPLES
+            and norm_per_step > self.params.quarantine_factor * statistics.median(window)
+        )
+        window.append(norm_per_step)
+        return outlier
 
     def should_close(self, now: float, live: set[str], step_s: float | None) -> bool:
         return self.round.should_close(now, live, step_s)
@@ -171,6 +185,7 @@ class FragmentState:
         result = RoundResult(
             self.version, self.payload, len(contributions),
             sum(c.c_tokens for c in contributions), refs, learners,
+            [(name, *c.key) for name, c in zip(learners, contributions, strict=True)],
         )
         self._pending = {}
         self._held_refs = []

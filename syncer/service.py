@@ -257,7 +257,8 @@ class Syncer:
         if quorum_s is not None:
             self.metrics.quorum_s.labels(str(p)).set(quorum_s)
         self.event("round", fragment=p, version=result.version, included=result.included,
-                   tokens=result.tokens, learners=result.learners, quorum_s=quorum_s,
+                   tokens=result.tokens, learners=result.learners, keys=result.keys,
+                   quorum_s=quorum_s,
                    grace_s=grace_s, sync_s=sync_s, merged_tokens=self.merged_tokens)
 
     def _publish(self, p: int) -> None:

@@ -1,0 +1,126 @@
+"""End to end: `ddiloco local` as a real process tree, with real kills.
+
+A small model and a per-step slowdown (sleep, not CPU) keep these runs short
+on a 2-core machine while leaving the learners, the syncer and the transport
+exactly as in a real run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--d-model", "64", "--n-layer", "2", "--n-head", "2", "--seq-len", "64",
+         "--fragments", "2", "--sync-every", "8", "--eval-every-s", "2",
+         "--learners", "4", "--slowdown", "4,4,4,4", "--restart-s", "1"]
+
+
+def run_local(out: Path, *extra: str, timeout_s: float = 400) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "compose.cli", "local", "--out", str(out), "--no-progress",
+         *SMALL, *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return summary, events
+
+
+def applied_keys(events: list[dict[str, Any]]) -> Counter[tuple[str, int, int]]:
+    """How often each (learner, incarnation, seq) was merged into a global."""
+    return Counter(tuple(k) for e in events if e["event"] == "round" for k in e["keys"])
+
+
+def transport_args(transport: str, tmp_path: Path) -> tuple[list[str], RedisServer | None]:
+    if transport == "zmq":
+        return [], None
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    return ["--transport", "redis", "--redis-url", server.url], server
+
+
+@pytest.fixture(params=["zmq", "redis"])
+def transport(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
+    args, server = transport_args(request.param, tmp_path)
+    try:
+        yield args
+    finally:
+        if server:
+            server.stop()
+
+
+@pytest.mark.timeout(420)
+def test_four_learners_learn(tmp_path: Path, transport: list[str]) -> None:
+    summary, events = run_local(tmp_path / "run", "--steps", "80", *transport)
+    assert summary["initial_eval_loss"] > 5.0  # uniform over 256 bytes is ln 256 = 5.55
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 2.0
+    assert summary["deltas_applied"] >= 4 and summary["fragments_published"] >= 4
+    assert summary["deltas_rejected"] == 0
+    assert summary["uptime"] == 1.0 and summary["learner_kills"] == 0
+    assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0
+    assert max(applied_keys(events).values()) == 1
+    done = [e for e in events if e["event"] == "done"]
+    assert sorted(e["learner"] for e in done) == [f"learner-{i}" for i in range(4)]
+    assert all(e["steps"] == 80 for e in done)
+    assert (tmp_path / "run" / "plots" / "loss_vs_tokens.png").stat().st_size > 0
+    assert (tmp_path / "run" / "plots" / "timeline.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(420)
+def test_killed_learners_restart_and_rejoin_without_stopping_the_others(
+    tmp_path: Path, transport: list[str]
+) -> None:
+    summary, events = run_local(
+        tmp_path / "run", "--steps", "150", "--chaos-mtbf-s", "5", "--seed", "3", *transport
+    )
+    assert summary["learner_kills"] >= 1
+    assert summary["learner_restarts"] == summary["learner_kills"]
+    assert summary["uptime"] == 1.0  # someone was always training
+    done = {e["learner"]: e for e in events if e["event"] == "done"}
+    assert sorted(done) == [f"learner-{i}" for i in range(4)]  # every learner finished
+    starts = [e for e in events if e["event"] == "start"]
+    # A restarted learner rejoins from the global model, not from scratch:
+    # its first progress report already carries merged versions.
+    rejoined = [s for s in starts if s["step"] > 0]
+    assert rejoined, "no learner resumed after a kill"
+    first_steps = [
+        next(e for e in events if e["event"] == "step" and e["incarnation"] == s["incarnation"])
+        for s in rejoined
+        if any(e["event"] == "step" and e["incarnation"] == s["incarnation"] for e in events)
+    ]
+    assert any(max(e["versions"]) >= 1 for e in first_steps)
+    assert max(applied_keys(events).values()) == 1
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 2.0
+
+
+@pytest.mark.timeout(600)
+def test_syncer_killed_and_restarted_learners_never_stop_nothing_applied_twice(
+    tmp_path: Path, transport: list[str]
+) -> None:
+    args = ["--steps", "150", "--seed", "5", *transport]
+    baseline, _ = run_local(tmp_path / "baseline", *args)
+    summary, events = run_local(tmp_path / "killed", *args, "--kill-syncer-at-s", "12")
+    assert summary["syncer_kills"] == 1
+    kill = next(e for e in events if e["event"] == "process_kill" and e["process"] == "syncer")
+    back = next(e for e in events if e["source"] == "syncer" and e["t"] > kill["t"])
+    # Learners kept training while the syncer was down.
+    during = [e for e in events if e["event"] == "step" and kill["t"] < e["t"] < back["t"]]
+    assert during, "no learner made progress while the syncer was down"
+    assert summary["uptime"] == 1.0
+    # Every merged delta was merged once, across both syncer incarnations.
+    keys = applied_keys(events)
+    assert keys and max(keys.values()) == 1
+    rounds_after = [e for e in events if e["event"] == "round" and e["t"] > back["t"]]
+    assert rounds_after, "the restarted syncer merged nothing"
+    assert summary["final_eval_loss"] <= baseline["final_eval_loss"] * 1.05
