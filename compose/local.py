@@ -300,7 +300,7 @@ class LocalRun:
                 if live:
                     live.update(view.table())
                 elif time.monotonic() - last_line > 10:
-                    self.console.print(view.line())
+                    print(view.line(), file=sys.stderr, flush=True)
                     last_line = time.monotonic()
                 time.sleep(0.2)
         finally:

@@ -308,7 +308,7 @@ class Learner:
             self.metrics.steps.inc()
             self.metrics.tokens.inc(self.tokens_per_step)
             window_steps += 1
-            loss_value = float(loss)
+            loss_value = loss.item()
             if step % cfg.log_every == 0 or step == cfg.steps:
                 elapsed = time.perf_counter() - window_start
                 rate = window_steps / elapsed if elapsed > 0 else 0.0
