@@ -63,7 +63,7 @@ class Codec:
 
     @property
     def name(self) -> str:
-        s = self.quant
+        s: str = self.quant
         if self.lossless != "none":
             s += "+" + self.lossless
         if self.quant in _QMAX and self.block_size != DEFAULT_BLOCK_SIZE:
@@ -96,9 +96,7 @@ class Codec:
         expected = self.quantised_size(numel)
         raw = self._decompress(data, expected)
         if len(raw) != expected:
-            raise CodecError(
-                f"{self.name}: {numel} values need {expected} bytes, got {len(raw)}"
-            )
+            raise CodecError(f"{self.name}: {numel} values need {expected} bytes, got {len(raw)}")
         return self._dequantise(raw, numel)
 
     def _decompress(self, data: bytes, expected: int) -> bytes:

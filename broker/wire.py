@@ -215,7 +215,7 @@ def encode(msg: Message, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> 
     payload = b""
     for f in fields(msg):
         if f.name == "payload":
-            payload = bytes(getattr(msg, "payload"))
+            payload = bytes(getattr(msg, "payload"))  # noqa: B009 (only tensor messages have it)
         else:
             header[f.name] = getattr(msg, f.name)
     head = msgpack.packb(header, use_bin_type=True)
@@ -227,7 +227,9 @@ def encode(msg: Message, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> 
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def decode(data: bytes | bytearray | memoryview, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Message:
+def decode(
+    data: bytes | bytearray | memoryview, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+) -> Message:
     """Decode and validate one frame, or raise :class:`WireError`."""
     view = memoryview(data).cast("B")
     if len(view) < _PREFIX.size + _CRC.size:
@@ -241,7 +243,9 @@ def decode(data: bytes | bytearray | memoryview, max_payload_bytes: int = DEFAUL
         raise WireError("too_large", f"payload of {payload_len} > {max_payload_bytes} bytes")
     total = _PREFIX.size + head_len + payload_len + _CRC.size
     if len(view) != total:
-        raise WireError("truncated" if len(view) < total else "trailing_bytes", f"{len(view)} != {total}")
+        raise WireError(
+            "truncated" if len(view) < total else "trailing_bytes", f"{len(view)} != {total}"
+        )
     (crc,) = _CRC.unpack_from(view, total - _CRC.size)
     if zlib.crc32(view[: total - _CRC.size]) != crc:
         raise WireError("bad_checksum")
@@ -281,5 +285,7 @@ def decode(data: bytes | bytearray | memoryview, max_payload_bytes: int = DEFAUL
     if isinstance(msg, _TensorMessage):
         decoded = Codec.parse(msg.codec).quantised_size(msg.numel)
         if decoded > max_payload_bytes:
-            raise WireError("too_large", f"payload decodes to {decoded} > {max_payload_bytes} bytes")
+            raise WireError(
+                "too_large", f"payload decodes to {decoded} > {max_payload_bytes} bytes"
+            )
     return msg

@@ -46,7 +46,9 @@ def pub_endpoint(endpoint: str) -> str:
     return f"{host}:{int(port) + 1}"
 
 
-def _socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, max_message_bytes: int) -> zmq.Socket[bytes]:
+def _socket(
+    ctx: zmq.Context[zmq.Socket[bytes]], kind: int, max_message_bytes: int
+) -> zmq.Socket[bytes]:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     # A peer that sends more than this is disconnected by ZeroMQ before the
@@ -335,7 +337,9 @@ class ZmqSyncerTransport(SyncerTransport):
         for (identity, learner_id, incarnation), batch in seqs.items():
             for start in range(0, len(batch), wire.MAX_LIST_LEN):
                 ack = Ack(
-                    run_id=self.run_id, learner_id=learner_id, incarnation=incarnation,
+                    run_id=self.run_id,
+                    learner_id=learner_id,
+                    incarnation=incarnation,
                     seqs=batch[start : start + wire.MAX_LIST_LEN],
                 )
                 self._send_to(identity, wire.encode(ack))

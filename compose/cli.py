@@ -1,8 +1,8 @@
 """``ddiloco``: one command for every service.
 
-    ddiloco local    the main job: a syncer and M learners on this machine
-    ddiloco learner  one learner (what a container or a remote host runs)
-    ddiloco syncer   one syncer
+ddiloco local    the main job: a syncer and M learners on this machine
+ddiloco learner  one learner (what a container or a remote host runs)
+ddiloco syncer   one syncer
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ def _setup_logging(level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddiloco", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ddiloco", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--log-level", default="info")
     sub = parser.add_subparsers(dest="command", required=True)
 

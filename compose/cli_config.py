@@ -61,13 +61,18 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
 
         def parse(text: str, conv: Any = conv, is_list: bool = is_list) -> Any:
             if is_list:
-                return None if text.lower() in ("", "none") else tuple(
-                    conv(part) for part in text.split(",") if part)
+                return (
+                    None
+                    if text.lower() in ("", "none")
+                    else tuple(conv(part) for part in text.split(",") if part)
+                )
             return conv(text)
 
         default = dataclasses.MISSING if env not in os.environ else parse(os.environ[env])
         parser.add_argument(
-            _flag(prefix, f.name), dest=prefix + f.name, type=parse,
+            _flag(prefix, f.name),
+            dest=prefix + f.name,
+            type=parse,
             default=default if default is not dataclasses.MISSING else argparse.SUPPRESS,
             help=f"(env {env})",
         )
@@ -79,8 +84,11 @@ def dataclass_from_args(cls: type[T], ns: argparse.Namespace) -> T:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if hints[f.name] is ModelConfig:
-            model_kwargs = {m.name: values[f"model_{m.name}"] for m in dataclasses.fields(ModelConfig)
-                            if f"model_{m.name}" in values}
+            model_kwargs = {
+                m.name: values[f"model_{m.name}"]
+                for m in dataclasses.fields(ModelConfig)
+                if f"model_{m.name}" in values
+            }
             kwargs[f.name] = ModelConfig(**model_kwargs)
         elif f.name in values:
             kwargs[f.name] = values[f.name]

@@ -43,12 +43,20 @@ MODES = ("decoupled", "diloco", "ddp")
 
 def add_local_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learners", type=int, default=4, help="M learners")
-    p.add_argument("--quorum", type=int, default=None,
-                   help="K deltas that close a round (default: M-1, at least 1; M in diloco)")
+    p.add_argument(
+        "--quorum",
+        type=int,
+        default=None,
+        help="K deltas that close a round (default: M-1, at least 1; M in diloco)",
+    )
     p.add_argument("--fragments", type=int, default=4, help="P fragments")
-    p.add_argument("--sync-every", type=int, default=24, help="H inner steps between syncs of a fragment")
+    p.add_argument(
+        "--sync-every", type=int, default=24, help="H inner steps between syncs of a fragment"
+    )
     p.add_argument("--overlap", type=int, default=2, help="tau: steps a fragment's sync may take")
-    p.add_argument("--codec", default="int8", help="delta codec: fp32, bf16, int8, int4 [+zstd|+lz4]")
+    p.add_argument(
+        "--codec", default="int8", help="delta codec: fp32, bf16, int8, int4 [+zstd|+lz4]"
+    )
     p.add_argument("--transport", choices=("zmq", "redis"), default="zmq")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--steps", type=int, default=300, help="inner steps per learner")
@@ -58,20 +66,41 @@ def add_local_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-momentum", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="run folder (default: runs/<time>-<mode>)")
-    p.add_argument("--chaos-mtbf-s", type=float, default=0.0,
-                   help="mean seconds between learner SIGKILLs (Poisson); 0: off")
-    p.add_argument("--restart-s", type=float, default=5.0, help="delay before a killed process restarts")
-    p.add_argument("--kill-syncer-at-s", type=float, default=0.0,
-                   help="SIGKILL the syncer once, this many seconds in (0: never); restarts after --restart-s")
-    p.add_argument("--slowdown", default="",
-                   help="per-learner slowdown factors, e.g. 1,1,1.5,2 (default: all 1)")
+    p.add_argument(
+        "--chaos-mtbf-s",
+        type=float,
+        default=0.0,
+        help="mean seconds between learner SIGKILLs (Poisson); 0: off",
+    )
+    p.add_argument(
+        "--restart-s", type=float, default=5.0, help="delay before a killed process restarts"
+    )
+    p.add_argument(
+        "--kill-syncer-at-s",
+        type=float,
+        default=0.0,
+        help="SIGKILL the syncer once, this many seconds in (0: never); restarts after --restart-s",
+    )
+    p.add_argument(
+        "--slowdown",
+        default="",
+        help="per-learner slowdown factors, e.g. 1,1,1.5,2 (default: all 1)",
+    )
     p.add_argument("--mode", choices=MODES, default="decoupled")
     p.add_argument("--eval-every-s", type=float, default=10.0)
     p.add_argument("--d-model", type=int, default=128, help="model width")
     p.add_argument("--n-layer", type=int, default=4, help="model depth")
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live table")
+    p.add_argument(
+        "--sync-pause-every",
+        type=int,
+        default=0,
+        help="measurement aid: learners pause syncing every other N steps (0: never)",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="plain log lines instead of a live table"
+    )
 
 
 def free_port_pair() -> int:
@@ -131,7 +160,10 @@ class Proc:
         self.log_file = open(self.log_path, "ab")  # noqa: SIM115
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
         self.popen = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=self.log_file, env=env,
+            self.args,
+            stdout=subprocess.PIPE,
+            stderr=self.log_file,
+            env=env,
             start_new_session=True,
         )
         self.killed_by_us = False
@@ -148,8 +180,9 @@ class Proc:
             self.popen.wait(timeout=30)
             self.killed_by_us = True
             self.kills += 1
-            events.append({"t": time.time(), "event": "process_kill", "process": self.name,
-                           "reason": reason})
+            events.append(
+                {"t": time.time(), "event": "process_kill", "process": self.name, "reason": reason}
+            )
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait for the process to print its ``ready`` line."""
@@ -210,10 +243,26 @@ class LocalRun:
     # -- process command lines -------------------------------------------------
     def _common(self) -> list[str]:
         a = self.args
-        return ["--run-id", "local", "--fragments", str(a.fragments), "--sync-every",
-                str(a.sync_every), "--overlap", str(a.overlap), "--seed", str(a.seed),
-                "--model-d-model", str(a.d_model), "--model-n-layer", str(a.n_layer),
-                "--model-n-head", str(a.n_head), "--model-seq-len", str(a.seq_len)]
+        return [
+            "--run-id",
+            "local",
+            "--fragments",
+            str(a.fragments),
+            "--sync-every",
+            str(a.sync_every),
+            "--overlap",
+            str(a.overlap),
+            "--seed",
+            str(a.seed),
+            "--model-d-model",
+            str(a.d_model),
+            "--model-n-layer",
+            str(a.n_layer),
+            "--model-n-head",
+            str(a.n_head),
+            "--model-seq-len",
+            str(a.seq_len),
+        ]
 
     def _transport(self) -> list[str]:
         a = self.args
@@ -223,11 +272,26 @@ class LocalRun:
 
     def syncer_proc(self) -> Proc:
         a = self.args
-        args = [sys.executable, "-m", "compose.cli", "syncer", *self._common(), *self._transport(),
-                "--zmq-bind", f"tcp://127.0.0.1:{self.port}", "--quorum", str(self.quorum),
-                "--checkpoint-dir", str(self.out / "checkpoint"),
-                "--metrics-file", str(self.out / "syncer.jsonl"),
-                "--eval-every-s", str(a.eval_every_s), "--heartbeat-timeout-s", "5"]
+        args = [
+            sys.executable,
+            "-m",
+            "compose.cli",
+            "syncer",
+            *self._common(),
+            *self._transport(),
+            "--zmq-bind",
+            f"tcp://127.0.0.1:{self.port}",
+            "--quorum",
+            str(self.quorum),
+            "--checkpoint-dir",
+            str(self.out / "checkpoint"),
+            "--metrics-file",
+            str(self.out / "syncer.jsonl"),
+            "--eval-every-s",
+            str(a.eval_every_s),
+            "--heartbeat-timeout-s",
+            "5",
+        ]
         if self.mode == "diloco":
             args += ["--grace-gamma", "0"]
         if a.outer_lr is not None:
@@ -239,19 +303,53 @@ class LocalRun:
     def learner_proc(self, i: int) -> Proc:
         a = self.args
         name = f"learner-{i}"
-        args = [sys.executable, "-m", "compose.cli", "learner", *self._common(),
-                "--learner-id", name, "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-                "--lr", str(a.lr), "--codec", a.codec, "--slowdown", str(self.slowdown[i]),
-                "--metrics-file", str(self.out / "learners" / f"{name}.jsonl"),
-                "--state-dir", str(self.out / "state"), "--log-every", "5"]
+        args = [
+            sys.executable,
+            "-m",
+            "compose.cli",
+            "learner",
+            *self._common(),
+            "--learner-id",
+            name,
+            "--steps",
+            str(a.steps),
+            "--batch-size",
+            str(a.batch_size),
+            "--lr",
+            str(a.lr),
+            "--codec",
+            a.codec,
+            "--slowdown",
+            str(self.slowdown[i]),
+            "--metrics-file",
+            str(self.out / "learners" / f"{name}.jsonl"),
+            "--state-dir",
+            str(self.out / "state"),
+            "--log-every",
+            "5",
+            "--sync-pause-every",
+            str(a.sync_pause_every),
+        ]
         env: dict[str, str] = {}
         if self.mode == "ddp":
             args += ["--transport", "none", "--eval-every", str(max(1, a.steps // 10))]
-            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port),
-                   "WORLD_SIZE": str(self.m), "RANK": str(i), "LOCAL_RANK": str(i)}
+            env = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(self.port),
+                "WORLD_SIZE": str(self.m),
+                "RANK": str(i),
+                "LOCAL_RANK": str(i),
+            }
         else:
-            args += [*self._transport(), "--zmq-endpoints", f"tcp://127.0.0.1:{self.port}",
-                     "--shard", str(i), "--num-shards", str(self.m)]
+            args += [
+                *self._transport(),
+                "--zmq-endpoints",
+                f"tcp://127.0.0.1:{self.port}",
+                "--shard",
+                str(i),
+                "--num-shards",
+                str(self.m),
+            ]
             if self.mode == "diloco":
                 args += ["--blocking", "true"]
         return Proc(name, args, self.out / "logs" / f"{name}.log", env=env)
@@ -260,8 +358,14 @@ class LocalRun:
     def run(self) -> dict[str, Any]:
         a = self.args
         started = time.time()
-        self.events.append({"t": started, "event": "run_start", "mode": self.mode,
-                            "args": {k: v for k, v in vars(a).items() if k != "func"}})
+        self.events.append(
+            {
+                "t": started,
+                "event": "run_start",
+                "mode": self.mode,
+                "args": {k: v for k, v in vars(a).items() if k != "func"},
+            }
+        )
         if self.mode != "ddp":
             self.syncer = self.syncer_proc()
             self.syncer.start(self.events)
@@ -271,11 +375,16 @@ class LocalRun:
             proc.start(self.events)
         next_kill = self._next_kill(time.monotonic())
         syncer_kill_at = time.monotonic() + a.kill_syncer_at_s if a.kill_syncer_at_s else None
-        tails = {p.name: JsonlTail(self.out / "learners" / f"{p.name}.jsonl") for p in self.learners}
+        tails = {
+            p.name: JsonlTail(self.out / "learners" / f"{p.name}.jsonl") for p in self.learners
+        }
         syncer_tail = JsonlTail(self.out / "syncer.jsonl")
         view = _Progress(self.m, a.steps)
-        live = None if a.no_progress or not self.console.is_terminal else Live(
-            view.table(), console=self.console, refresh_per_second=2)
+        live = (
+            None
+            if a.no_progress or not self.console.is_terminal
+            else Live(view.table(), console=self.console, refresh_per_second=2)
+        )
         last_line = 0.0
         try:
             if live:
@@ -324,12 +433,19 @@ class LocalRun:
                 code = proc.popen.returncode
                 if proc is not self.syncer and code == 0:
                     proc.done = True
-                    self.events.append({"t": time.time(), "event": "process_exit",
-                                        "process": proc.name, "code": 0})
+                    self.events.append(
+                        {"t": time.time(), "event": "process_exit", "process": proc.name, "code": 0}
+                    )
                     continue
                 if not proc.killed_by_us:
-                    self.events.append({"t": time.time(), "event": "process_crash",
-                                        "process": proc.name, "code": code})
+                    self.events.append(
+                        {
+                            "t": time.time(),
+                            "event": "process_crash",
+                            "process": proc.name,
+                            "code": code,
+                        }
+                    )
                     self.console.print(f"[red]{proc.name} exited with {code}; see {proc.log_path}")
                     if self.mode == "ddp":
                         raise RuntimeError(f"{proc.name} failed; data parallel cannot continue")
@@ -337,21 +453,21 @@ class LocalRun:
             elif now >= proc.restart_at:
                 proc.restarts += 1
                 proc.start(self.events)
-                self.events.append({"t": time.time(), "event": "process_restart",
-                                    "process": proc.name})
+                self.events.append(
+                    {"t": time.time(), "event": "process_restart", "process": proc.name}
+                )
 
     def _stop_all(self) -> None:
         for proc in self.learners:
             if proc.alive():
                 proc.kill(self.events, "shutdown")
-        if self.syncer and self.syncer.popen:
-            if self.syncer.alive():
-                # SIGTERM: merge what is pending, evaluate, write totals.
-                self.syncer.popen.send_signal(signal.SIGTERM)
-                try:
-                    self.syncer.popen.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    self.syncer.kill(self.events, "shutdown timeout")
+        if self.syncer and self.syncer.popen and self.syncer.alive():
+            # SIGTERM: merge what is pending, evaluate, write totals.
+            self.syncer.popen.send_signal(signal.SIGTERM)
+            try:
+                self.syncer.popen.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.syncer.kill(self.events, "shutdown timeout")
         for proc in self.learners + ([self.syncer] if self.syncer else []):
             if proc.log_file:
                 proc.log_file.close()
@@ -363,8 +479,9 @@ class LocalRun:
         with open(self.out / "metrics.jsonl", "w") as f:
             for e in events:
                 f.write(json.dumps(e) + "\n")
-        summary = summarise(events, mode=self.mode, learners=self.m, steps=self.args.steps,
-                            quorum=self.quorum)
+        summary = summarise(
+            events, mode=self.mode, learners=self.m, steps=self.args.steps, quorum=self.quorum
+        )
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_run(events, self.out / "plots")
         return summary
@@ -407,21 +524,32 @@ class _Progress:
         return len(recent) / 10
 
     def table(self) -> Table:
-        loss = "-" if self.eval_loss is None else f"{self.eval_loss:.3f} (start {self.first_eval:.3f})"
-        t = Table(title=f"global eval loss {loss}   fragments/s {self.fragments_per_s():.1f}   "
-                        f"kills {self.kills}   restarts {self.restarts}")
+        loss = (
+            "-" if self.eval_loss is None else f"{self.eval_loss:.3f} (start {self.first_eval:.3f})"
+        )
+        t = Table(
+            title=f"global eval loss {loss}   fragments/s {self.fragments_per_s():.1f}   "
+            f"kills {self.kills}   restarts {self.restarts}"
+        )
         for col in ("learner", "step", "steps/s", "train loss", "state"):
             t.add_column(col)
         for name, s in self.learners.items():
-            t.add_row(name, f"{s.get('step', 0)}/{self.steps}", f"{s.get('steps_per_s', 0):.1f}",
-                      f"{s['loss']:.3f}" if "loss" in s else "-", s.get("state", "starting"))
+            t.add_row(
+                name,
+                f"{s.get('step', 0)}/{self.steps}",
+                f"{s.get('steps_per_s', 0):.1f}",
+                f"{s['loss']:.3f}" if "loss" in s else "-",
+                s.get("state", "starting"),
+            )
         return t
 
     def line(self) -> str:
         steps = " ".join(f"{s.get('step', 0)}" for s in self.learners.values())
         loss = "-" if self.eval_loss is None else f"{self.eval_loss:.3f}"
-        return (f"eval loss {loss} | steps {steps} of {self.steps} | "
-                f"fragments/s {self.fragments_per_s():.1f} | kills {self.kills}")
+        return (
+            f"eval loss {loss} | steps {steps} of {self.steps} | "
+            f"fragments/s {self.fragments_per_s():.1f} | kills {self.kills}"
+        )
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -429,9 +557,23 @@ def run_local(args: argparse.Namespace) -> int:
     summary = run.run()
     console = Console()
     console.print(f"[bold]run folder[/bold] {run.out}")
-    keys = ("learners", "steps_per_learner", "tokens_total", "wall_s", "initial_eval_loss",
-            "final_eval_loss", "fragments_published", "deltas_applied", "deltas_rejected",
-            "bytes_up", "bytes_down", "learner_kills", "learner_restarts", "goodput", "uptime")
+    keys = (
+        "learners",
+        "steps_per_learner",
+        "tokens_total",
+        "wall_s",
+        "initial_eval_loss",
+        "final_eval_loss",
+        "fragments_published",
+        "deltas_applied",
+        "deltas_rejected",
+        "bytes_up",
+        "bytes_down",
+        "learner_kills",
+        "learner_restarts",
+        "goodput",
+        "uptime",
+    )
     for k in keys:
         v = summary.get(k)
         console.print(f"  {k:20s} {v:.4g}" if isinstance(v, float) else f"  {k:20s} {v}")

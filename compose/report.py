@@ -14,9 +14,21 @@ from pathlib import Path
 from typing import Any
 
 SUMMARY_KEYS = (
-    "learners", "steps_per_learner", "tokens_total", "wall_s", "initial_eval_loss",
-    "final_eval_loss", "fragments_published", "deltas_applied", "deltas_rejected", "bytes_up",
-    "bytes_down", "learner_kills", "learner_restarts", "goodput", "uptime",
+    "learners",
+    "steps_per_learner",
+    "tokens_total",
+    "wall_s",
+    "initial_eval_loss",
+    "final_eval_loss",
+    "fragments_published",
+    "deltas_applied",
+    "deltas_rejected",
+    "bytes_up",
+    "bytes_down",
+    "learner_kills",
+    "learner_restarts",
+    "goodput",
+    "uptime",
 )
 
 
@@ -69,8 +81,9 @@ def _union_length(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarise(events: list[dict[str, Any]], mode: str, learners: int, steps: int,
-              quorum: int | None = None) -> dict[str, Any]:
+def summarise(
+    events: list[dict[str, Any]], mode: str, learners: int, steps: int, quorum: int | None = None
+) -> dict[str, Any]:
     start = next(e["t"] for e in events if e["event"] == "run_start")
     end = next((e["t"] for e in reversed(events) if e["event"] == "run_end"), events[-1]["t"])
     evals = [e for e in events if e["event"] == "eval"]
@@ -97,7 +110,9 @@ def summarise(events: list[dict[str, Any]], mode: str, learners: int, steps: int
     all_spans = [s for v in spans.values() for s in v]
     train_start = min((s for s, _ in all_spans), default=start)
     train_end = max((e for _, e in all_spans), default=end)
-    uptime = _union_length(all_spans) / (train_end - train_start) if train_end > train_start else 0.0
+    uptime = (
+        _union_length(all_spans) / (train_end - train_start) if train_end > train_start else 0.0
+    )
 
     # Goodput: tokens that reached the global model over what the learners would
     # have trained at their undisturbed speed while the run lasted. Every delta
@@ -109,10 +124,7 @@ def summarise(events: list[dict[str, Any]], mode: str, learners: int, steps: int
         finish = max(e for _, e in learner_spans)
         rate = statistics.median(rates[name]) if rates[name] else 0.0
         undisturbed += rate * tps * (finish - first)
-    if mode == "ddp":
-        useful = float(tokens_total)
-    else:
-        useful = sum(e["tokens"] for e in rounds) / fragments
+    useful = float(tokens_total) if mode == "ddp" else sum(e["tokens"] for e in rounds) / fragments
     goodput = min(1.0, useful / undisturbed) if undisturbed > 0 else 0.0
 
     kills = [e for e in events if e["event"] == "process_kill" and e.get("reason") != "shutdown"]
@@ -137,11 +149,19 @@ def summarise(events: list[dict[str, Any]], mode: str, learners: int, steps: int
         "goodput": round(goodput, 4),
         "uptime": round(uptime, 4),
         "merged_tokens": useful,
-        "mean_steps_per_s": round(statistics.mean(
-            statistics.median(r) for r in rates.values()), 3) if rates else None,
+        "mean_steps_per_s": round(statistics.mean(statistics.median(r) for r in rates.values()), 3)
+        if rates
+        else None,
+        "steps_per_s_sync_on": _mean_of(events, "steps_per_s_sync_on"),
+        "steps_per_s_sync_off": _mean_of(events, "steps_per_s_sync_off"),
         "eval_curve": [[e.get("learner_tokens", e.get("tokens")), e["loss"]] for e in evals],
     }
     return summary
+
+
+def _mean_of(events: list[dict[str, Any]], key: str) -> float | None:
+    values = [e[key] for e in events if e["event"] == "done" and e.get(key)]
+    return round(statistics.mean(values), 4) if values else None
 
 
 def plot_run(events: list[dict[str, Any]], folder: Path) -> list[Path]:
@@ -156,8 +176,12 @@ def plot_run(events: list[dict[str, Any]], folder: Path) -> list[Path]:
     evals = [e for e in events if e["event"] == "eval"]
     fig, ax = plt.subplots(figsize=(6, 4))
     if evals:
-        ax.plot([e.get("learner_tokens", e.get("tokens", 0)) for e in evals],
-                [e["loss"] for e in evals], marker="o", ms=3)
+        ax.plot(
+            [e.get("learner_tokens", e.get("tokens", 0)) for e in evals],
+            [e["loss"] for e in evals],
+            marker="o",
+            ms=3,
+        )
     ax.set_xlabel("tokens trained (all learners)")
     ax.set_ylabel("held-out loss of the global model")
     ax.grid(alpha=0.3)
@@ -172,8 +196,8 @@ def plot_run(events: list[dict[str, Any]], folder: Path) -> list[Path]:
     names = sorted(spans)
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
     for row, name in enumerate(names):
-        for s, e in spans[name]:
-            ax.barh(row, e - s, left=s - start, color="tab:blue", height=0.5)
+        for began, ended in spans[name]:
+            ax.barh(row, ended - began, left=began - start, color="tab:blue", height=0.5)
     for e in events:
         if e["event"] == "process_kill" and e.get("reason") != "shutdown" and e["process"] in names:
             ax.plot(e["t"] - start, names.index(e["process"]), "rx", ms=10)
@@ -182,7 +206,9 @@ def plot_run(events: list[dict[str, Any]], folder: Path) -> list[Path]:
         if e["event"] == "process_kill" and e["process"] == "syncer":
             ax.axvline(e["t"] - start, color="red", ls="--", lw=1)
     ax.set_yticks(range(len(names)), names)
-    ax.set_xlabel("seconds since start (bars: training; x: SIGKILL; >: restart; dashed: syncer killed)")
+    ax.set_xlabel(
+        "seconds since start (bars: training; x: SIGKILL; >: restart; dashed: syncer killed)"
+    )
     fig.tight_layout()
     fig.savefig(folder / "timeline.png", dpi=110)
     plt.close(fig)

@@ -31,14 +31,23 @@ def connect_learner(cfg: LearnerConfig, incarnation: int) -> LearnerTransport:
         from broker.redis_transport import RedisLearnerTransport
 
         return RedisLearnerTransport(
-            cfg.redis_url, cfg.run_id, cfg.learner_id, cfg.fragments,
-            max_message_bytes=cfg.max_message_bytes, max_unacked=cfg.max_unacked,
+            cfg.redis_url,
+            cfg.run_id,
+            cfg.learner_id,
+            cfg.fragments,
+            max_message_bytes=cfg.max_message_bytes,
+            max_unacked=cfg.max_unacked,
         )
     from broker.zmq_transport import ZmqLearnerTransport
 
     return ZmqLearnerTransport(
-        list(cfg.zmq_endpoints), cfg.run_id, cfg.learner_id, incarnation, cfg.fragments,
-        max_message_bytes=cfg.max_message_bytes, max_unacked=cfg.max_unacked,
+        list(cfg.zmq_endpoints),
+        cfg.run_id,
+        cfg.learner_id,
+        incarnation,
+        cfg.fragments,
+        max_message_bytes=cfg.max_message_bytes,
+        max_unacked=cfg.max_unacked,
         ack_timeout_s=cfg.ack_timeout_s,
     )
 
@@ -52,8 +61,9 @@ class OutgoingDelta:
 
 
 class CommThread(threading.Thread):
-    def __init__(self, transport: LearnerTransport, codec: Codec, error_feedback: bool,
-                 max_queued: int = 64) -> None:
+    def __init__(
+        self, transport: LearnerTransport, codec: Codec, error_feedback: bool, max_queued: int = 64
+    ) -> None:
         super().__init__(name="ddiloco-comm", daemon=True)
         self.transport = transport
         self.codec = codec

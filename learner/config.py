@@ -59,7 +59,10 @@ class LearnerConfig:
     max_unacked: int = 64
     metrics_port: int = 0  # 0: no Prometheus endpoint
     log_every: int = 10
-    eval_every: int = 0  # transport none only: held-out loss every this many steps (0: start and end)
+    sync_pause_every: int = 0  # measurement aid: sync pauses in the 2nd half of every 2N steps
+    eval_every: int = (
+        0  # transport none only: held-out loss every this many steps (0: start and end)
+    )
 
     def __post_init__(self) -> None:
         check_id("run_id", self.run_id)
@@ -69,14 +72,29 @@ class LearnerConfig:
         for e in self.zmq_endpoints:
             check_endpoint("zmq_endpoints", e)
         check_redis_url("redis_url", self.redis_url)
-        for name in ("batch_size", "steps", "fragments", "sync_every", "torch_threads",
-                     "max_message_bytes", "max_unacked", "log_every"):
+        for name in (
+            "batch_size",
+            "steps",
+            "fragments",
+            "sync_every",
+            "torch_threads",
+            "max_message_bytes",
+            "max_unacked",
+            "log_every",
+        ):
             require(isinstance(getattr(self, name), int), f"{name} must be an integer")
             check_positive(name, getattr(self, name))
         for name in ("lr", "ack_timeout_s"):
             check_positive(name, getattr(self, name))
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "overlap", "metrics_port",
-                     "eval_every"):
+        for name in (
+            "warmup_steps",
+            "weight_decay",
+            "grad_clip",
+            "overlap",
+            "metrics_port",
+            "eval_every",
+            "sync_pause_every",
+        ):
             check_positive(name, getattr(self, name), allow_zero=True)
         require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}: use [0, 1]")
         require(
@@ -87,8 +105,10 @@ class LearnerConfig:
             self.overlap < self.sync_every,
             f"overlap={self.overlap} must be smaller than sync_every={self.sync_every}",
         )
-        require(0 <= self.shard < self.num_shards,
-                f"shard={self.shard} must be in [0, num_shards={self.num_shards})")
+        require(
+            0 <= self.shard < self.num_shards,
+            f"shard={self.shard} must be in [0, num_shards={self.num_shards})",
+        )
         check_positive("join_timeout_s", self.join_timeout_s)
         require(0 <= self.mix_alpha < 1, f"mix_alpha={self.mix_alpha}: use [0, 1)")
         require(self.slowdown >= 1, f"slowdown={self.slowdown}: use a factor >= 1")

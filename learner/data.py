@@ -68,15 +68,24 @@ def load_corpus(data: str | None, vocab_size: int, seq_len: int) -> Corpus:
     corpus = stdlib_corpus() if data is None else file_corpus(data, vocab_size)
     for split in ("train", "val"):
         if getattr(corpus, split).numel() < 4 * (seq_len + 1):
-            raise ValueError(f"{corpus.source}: the {split} split is too small for seq_len {seq_len}")
+            raise ValueError(
+                f"{corpus.source}: the {split} split is too small for seq_len {seq_len}"
+            )
     return corpus
 
 
 class BatchSampler:
     """Random windows from one shard of the training tokens (learner m of M)."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int,
-                 shard: int, num_shards: int, seed: int) -> None:
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        seq_len: int,
+        batch_size: int,
+        shard: int,
+        num_shards: int,
+        seed: int,
+    ) -> None:
         size = tokens.numel() // num_shards
         self.tokens = tokens[shard * size : (shard + 1) * size]
         if self.tokens.numel() <= seq_len + 1:
@@ -93,14 +102,18 @@ class BatchSampler:
         return window[:, :-1], window[:, 1:]
 
 
-def eval_batches(val: torch.Tensor, seq_len: int, batch_size: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    val: torch.Tensor, seq_len: int, batch_size: int, num_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed set of evenly spaced held-out windows, the same for every evaluation."""
     count = batch_size * num_batches
     stride = max(1, (val.numel() - seq_len - 1) // count)
     starts = [i * stride for i in range(count)]
     window = torch.stack([val[s : s + seq_len + 1] for s in starts])
-    return [(window[i : i + batch_size, :-1], window[i : i + batch_size, 1:])
-            for i in range(0, count, batch_size)]
+    return [
+        (window[i : i + batch_size, :-1], window[i : i + batch_size, 1:])
+        for i in range(0, count, batch_size)
+    ]
 
 
 @torch.no_grad()

@@ -55,7 +55,9 @@ class _Group:
     def leader(self) -> bool:
         return self.rank == 0
 
-    def share_globals(self, arrived: list[GlobalFragment], plan: FragmentPlan) -> list[tuple[int, int, torch.Tensor]]:
+    def share_globals(
+        self, arrived: list[GlobalFragment], plan: FragmentPlan
+    ) -> list[tuple[int, int, torch.Tensor]]:
         """(fragment, version, weights) that every rank applies this step."""
         if self.world == 1:
             return [(g.fragment, g.version, g.tensor()) for g in arrived]
@@ -68,8 +70,11 @@ class _Group:
         for p in range(plan.num_fragments):
             if header[p] < 0:
                 continue
-            flat = next(g.tensor() for g in arrived if g.fragment == p) if self.leader else (
-                torch.empty(plan.fragment_numel(p)))
+            flat = (
+                next(g.tensor() for g in arrived if g.fragment == p)
+                if self.leader
+                else (torch.empty(plan.fragment_numel(p)))
+            )
             dist.broadcast(flat, 0)
             out.append((p, int(header[p]), flat))
         return out
@@ -103,11 +108,19 @@ class _Metrics:
         self.steps = Counter("ddiloco_learner_steps", "Inner steps", registry=r)
         self.tokens = Counter("ddiloco_learner_tokens", "Tokens trained on", registry=r)
         self.step_rate = Gauge("ddiloco_learner_steps_per_second", "Recent step rate", registry=r)
-        self.deltas_sent = Counter("ddiloco_learner_deltas_sent", "Deltas handed to the comm thread", registry=r)
-        self.globals_applied = Counter("ddiloco_learner_globals_applied", "Globals applied", registry=r)
+        self.deltas_sent = Counter(
+            "ddiloco_learner_deltas_sent", "Deltas handed to the comm thread", registry=r
+        )
+        self.globals_applied = Counter(
+            "ddiloco_learner_globals_applied", "Globals applied", registry=r
+        )
         self.bytes_up = Gauge("ddiloco_learner_bytes_sent", "Bytes sent on the wire", registry=r)
-        self.bytes_down = Gauge("ddiloco_learner_bytes_received", "Bytes received on the wire", registry=r)
-        self.version = Gauge("ddiloco_learner_fragment_version", "Base version", ["fragment"], registry=r)
+        self.bytes_down = Gauge(
+            "ddiloco_learner_bytes_received", "Bytes received on the wire", registry=r
+        )
+        self.version = Gauge(
+            "ddiloco_learner_fragment_version", "Base version", ["fragment"], registry=r
+        )
         if port:
             start_http_server(port, registry=r)
 
@@ -128,8 +141,12 @@ class Learner:
         self.eval_set = eval_batches(corpus.val, cfg.model.seq_len, 16, 8)
         shard = cfg.shard * self.group.world + self.group.rank
         self.sampler = BatchSampler(
-            corpus.train, cfg.model.seq_len, cfg.batch_size, shard,
-            cfg.num_shards * self.group.world, seed=cfg.seed * 100_003 + shard + 7919 * self.start_step,
+            corpus.train,
+            cfg.model.seq_len,
+            cfg.batch_size,
+            shard,
+            cfg.num_shards * self.group.world,
+            seed=cfg.seed * 100_003 + shard + 7919 * self.start_step,
         )
         self.tokens_per_step = cfg.batch_size * cfg.model.seq_len * self.group.world
         self.optimizer = torch.optim.AdamW(
@@ -141,6 +158,8 @@ class Learner:
         self.c_tokens = [0] * cfg.fragments
         self.seq = 0
         self.tokens = start_tokens
+        self.phase_time = {True: 0.0, False: 0.0}  # seconds spent in steps with sync on / off
+        self.phase_steps = {True: 0, False: 0}
         self.comm: CommThread | None = None
         self.metrics = _Metrics(cfg.metrics_port if self.group.leader else 0)
         self._events: TextIO | None = None
@@ -153,7 +172,9 @@ class Learner:
 
     # -- progress file ----------------------------------------------------------
     def _progress_path(self) -> Path | None:
-        return Path(self.cfg.state_dir) / f"{self.cfg.learner_id}.json" if self.cfg.state_dir else None
+        return (
+            Path(self.cfg.state_dir) / f"{self.cfg.learner_id}.json" if self.cfg.state_dir else None
+        )
 
     def _load_progress(self) -> tuple[int, int]:
         """(step, tokens) reached by an earlier incarnation of this learner."""
@@ -170,10 +191,18 @@ class Learner:
 
     def event(self, kind: str, **fields: Any) -> None:
         if self._events is not None:
-            self._events.write(json.dumps({
-                "t": time.time(), "event": kind, "learner": self.cfg.learner_id,
-                "incarnation": self.incarnation, **fields,
-            }) + "\n")
+            self._events.write(
+                json.dumps(
+                    {
+                        "t": time.time(),
+                        "event": kind,
+                        "learner": self.cfg.learner_id,
+                        "incarnation": self.incarnation,
+                        **fields,
+                    }
+                )
+                + "\n"
+            )
 
     # -- globals ------------------------------------------------------------------
     def join(self) -> None:
@@ -189,8 +218,9 @@ class Learner:
                         f"no snapshot of fragments {sorted(set(wanted) - got.keys())} within "
                         f"{self.cfg.join_timeout_s}s: is the syncer running and reachable?"
                     )
-                got.update(self.transport.snapshot(
-                    [p for p in wanted if p not in got], timeout_s=2.0))
+                got.update(
+                    self.transport.snapshot([p for p in wanted if p not in got], timeout_s=2.0)
+                )
             for g in got.values():
                 if g.plan_hash != self.plan.plan_hash:
                     raise ValueError(
@@ -230,10 +260,17 @@ class Learner:
         self.seq += 1
         delta = self.base[p] - self.plan.flatten(self.params, p)
         meta = Delta(
-            run_id=self.cfg.run_id, learner_id=self.cfg.learner_id, incarnation=self.incarnation,
-            seq=self.seq, fragment=p, plan_hash=self.plan.plan_hash,
-            base_version=self.base_version[p], step=step, c_steps=self.c_steps[p],
-            c_tokens=self.c_tokens[p], sent_at=time.time(),
+            run_id=self.cfg.run_id,
+            learner_id=self.cfg.learner_id,
+            incarnation=self.incarnation,
+            seq=self.seq,
+            fragment=p,
+            plan_hash=self.plan.plan_hash,
+            base_version=self.base_version[p],
+            step=step,
+            c_steps=self.c_steps[p],
+            c_tokens=self.c_tokens[p],
+            sent_at=time.time(),
         )
         self.comm.send_delta(OutgoingDelta(delta, meta))
         self.metrics.deltas_sent.inc()
@@ -255,8 +292,9 @@ class Learner:
     def _evaluate(self, step: int) -> None:
         """Without a syncer (data parallel) the learner reports the held-out loss itself."""
         if not self.syncing and self.group.leader:
-            self.event("eval", step=step, loss=evaluate(self.model, self.eval_set),
-                       tokens=self.tokens)
+            self.event(
+                "eval", step=step, loss=evaluate(self.model, self.eval_set), tokens=self.tokens
+            )
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -292,19 +330,30 @@ class Learner:
                 self.c_tokens[p] += self.tokens_per_step
 
             # Decoupled DiLoCo: take what arrived, send what is due, never wait.
-            self._apply_arrived()
-            for p in self.plan.fragments_due(step):
-                self._send(p, step)
-                if cfg.blocking and self.comm is not None:
-                    self._wait_for_new_global(p)
+            sync_on = not cfg.sync_pause_every or (step // cfg.sync_pause_every) % 2 == 0
+            if sync_on:
+                self._apply_arrived()
+                for p in self.plan.fragments_due(step):
+                    self._send(p, step)
+                    if cfg.blocking and self.comm is not None:
+                        self._wait_for_new_global(p)
             step_s = time.perf_counter() - t0
+            self.phase_time[sync_on] += step_s
+            self.phase_steps[sync_on] += 1
             if self.comm is not None:
                 if self.comm.error is not None:
                     raise RuntimeError("comm thread failed") from self.comm.error
-                self.comm.heartbeat(Heartbeat(
-                    run_id=cfg.run_id, learner_id=cfg.learner_id, incarnation=self.incarnation,
-                    step=step, tokens=self.tokens, step_time_s=step_s, sent_at=time.time(),
-                ))
+                self.comm.heartbeat(
+                    Heartbeat(
+                        run_id=cfg.run_id,
+                        learner_id=cfg.learner_id,
+                        incarnation=self.incarnation,
+                        step=step,
+                        tokens=self.tokens,
+                        step_time_s=step_s,
+                        sent_at=time.time(),
+                    )
+                )
             self.metrics.steps.inc()
             self.metrics.tokens.inc(self.tokens_per_step)
             window_steps += 1
@@ -318,8 +367,14 @@ class Learner:
                     self.metrics.bytes_up.set(stats.bytes_sent)
                     self.metrics.bytes_down.set(stats.bytes_received)
                 self.event(
-                    "step", step=step, loss=loss_value, tokens=self.tokens, steps_per_s=rate,
-                    lr=lr_at(step - 1, cfg), compute_s=compute_s, step_s=step_s,
+                    "step",
+                    step=step,
+                    loss=loss_value,
+                    tokens=self.tokens,
+                    steps_per_s=rate,
+                    lr=lr_at(step - 1, cfg),
+                    compute_s=compute_s,
+                    step_s=step_s,
                     bytes_sent=stats.bytes_sent if stats else 0,
                     bytes_received=stats.bytes_received if stats else 0,
                     versions=[self.base_version.get(p, -1) for p in range(cfg.fragments)],
@@ -331,6 +386,10 @@ class Learner:
         self._evaluate(cfg.steps)
         return self.finish(loss_value)
 
+    def _rate(self, sync_on: bool) -> float | None:
+        seconds = self.phase_time[sync_on]
+        return self.phase_steps[sync_on] / seconds if seconds > 0 else None
+
     def finish(self, loss_value: float) -> dict[str, Any]:
         """Send every fragment's remaining progress, deliver what is queued, stop."""
         delivered = True
@@ -340,11 +399,17 @@ class Learner:
             delivered = self.comm.stop(flush_timeout_s=30.0)
         stats = self.transport.stats if self.transport is not None else None
         result = {
-            "steps": self.cfg.steps, "tokens": self.tokens, "final_train_loss": loss_value,
+            "steps": self.cfg.steps,
+            "tokens": self.tokens,
+            "final_train_loss": loss_value,
             "bytes_sent": stats.bytes_sent if stats else 0,
             "bytes_received": stats.bytes_received if stats else 0,
-            "delivered": delivered, "dropped": self.comm.dropped if self.comm else 0,
-            "ranks": self.group.world, "ranks_consistent": self.group.consistent(self.model),
+            "delivered": delivered,
+            "dropped": self.comm.dropped if self.comm else 0,
+            "ranks": self.group.world,
+            "ranks_consistent": self.group.consistent(self.model),
+            "steps_per_s_sync_on": self._rate(True),
+            "steps_per_s_sync_off": self._rate(False),
         }
         self.event("done", **result)
         if self.transport is not None:

@@ -60,9 +60,7 @@ class VersionHistory:
             return self._versions[version]
         if version > self.current_version:
             raise StaleDelta("future_version", f"base {version} > current {self.current_version}")
-        raise StaleDelta(
-            "stale", f"base {version} is older than the {self.depth} kept versions"
-        )
+        raise StaleDelta("stale", f"base {version} is older than the {self.depth} kept versions")
 
 
 def outer_gradient(

@@ -50,16 +50,20 @@ def fragment_path(directory: Path, fragment: int) -> Path:
     return directory / f"fragment-{fragment:04d}.safetensors"
 
 
-def save_fragment(directory: Path, fragment: int, tensors: dict[str, torch.Tensor],
-                  meta: dict[str, Any]) -> int:
+def save_fragment(
+    directory: Path, fragment: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> int:
     """Write one fragment's state atomically; returns the bytes written."""
-    data = st_save({k: v.contiguous() for k, v in tensors.items()},
-                   metadata={META_KEY: json.dumps(meta)})
+    data = st_save(
+        {k: v.contiguous() for k, v in tensors.items()}, metadata={META_KEY: json.dumps(meta)}
+    )
     atomic_write(fragment_path(directory, fragment), data)
     return len(data)
 
 
-def load_fragment(directory: Path, fragment: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+def load_fragment(
+    directory: Path, fragment: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
     path = fragment_path(directory, fragment)
     if not path.exists():
         return None

@@ -183,8 +183,12 @@ class FragmentState:
             self.applied[name] = max(c.key, self.applied.get(name, c.key))
         refs = [c.ref for c in contributions] + self._held_refs
         result = RoundResult(
-            self.version, self.payload, len(contributions),
-            sum(c.c_tokens for c in contributions), refs, learners,
+            self.version,
+            self.payload,
+            len(contributions),
+            sum(c.c_tokens for c in contributions),
+            refs,
+            learners,
             [(name, *c.key) for name, c in zip(learners, contributions, strict=True)],
         )
         self._pending = {}
@@ -211,14 +215,18 @@ class FragmentState:
     def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         versions = sorted(int(k.split(".", 1)[1]) for k in tensors if k.startswith("version."))
         if not versions or versions[-1] != meta["version"]:
-            raise ValueError(f"fragment {self.fragment}: checkpoint versions {versions} "
-                             f"do not end at {meta['version']}")
+            raise ValueError(
+                f"fragment {self.fragment}: checkpoint versions {versions} "
+                f"do not end at {meta['version']}"
+            )
         history = VersionHistory(self.params.staleness)
         for v in versions:
             w = tensors[f"version.{v}"].to(torch.float32)
             if w.shape != (self.numel,):
-                raise ValueError(f"fragment {self.fragment}: checkpoint holds {tuple(w.shape)}, "
-                                 f"the plan needs ({self.numel},)")
+                raise ValueError(
+                    f"fragment {self.fragment}: checkpoint holds {tuple(w.shape)}, "
+                    f"the plan needs ({self.numel},)"
+                )
             history.push(v, w)
         self.history = history
         self.payload = tensors["payload"].numpy().tobytes()

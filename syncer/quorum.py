@@ -20,8 +20,8 @@ class Ema:
         self.value: float | None = None
 
     def update(self, sample: float) -> float:
-        self.value = sample if self.value is None else (
-            self.alpha * sample + (1 - self.alpha) * self.value
+        self.value = (
+            sample if self.value is None else (self.alpha * sample + (1 - self.alpha) * self.value)
         )
         return self.value
 

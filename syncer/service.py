@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import Counter as PromCounter
 
 from broker.transport import Inbound, SyncerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat, WireError
@@ -44,7 +45,10 @@ def connect_syncer(cfg: SyncerConfig, fragments: list[int]) -> SyncerTransport:
         from broker.redis_transport import RedisSyncerTransport
 
         return RedisSyncerTransport(
-            cfg.redis_url, cfg.run_id, consumer=cfg.syncer_id, fragments=fragments,
+            cfg.redis_url,
+            cfg.run_id,
+            consumer=cfg.syncer_id,
+            fragments=fragments,
             max_message_bytes=cfg.max_message_bytes,
         )
     from broker.zmq_transport import ZmqSyncerTransport
@@ -63,19 +67,31 @@ class _Metrics:
     def __init__(self, port: int) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.deltas_applied = PromCounter("ddiloco_syncer_deltas_applied", "Deltas merged", registry=r)
+        self.deltas_applied = PromCounter(
+            "ddiloco_syncer_deltas_applied", "Deltas merged", registry=r
+        )
         self.deltas_rejected = PromCounter(
             "ddiloco_syncer_deltas_rejected", "Deltas refused", ["reason"], registry=r
         )
-        self.rounds = PromCounter("ddiloco_syncer_rounds", "Globals published", ["fragment"], registry=r)
+        self.rounds = PromCounter(
+            "ddiloco_syncer_rounds", "Globals published", ["fragment"], registry=r
+        )
         self.version = Gauge("ddiloco_syncer_fragment_version", "Version", ["fragment"], registry=r)
-        self.live = Gauge("ddiloco_syncer_live_learners", "Learners with recent heartbeats", registry=r)
-        self.quorum_s = Gauge("ddiloco_syncer_quorum_seconds", "Time to quorum", ["fragment"], registry=r)
-        self.grace_s = Gauge("ddiloco_syncer_grace_seconds", "Grace window", ["fragment"], registry=r)
+        self.live = Gauge(
+            "ddiloco_syncer_live_learners", "Learners with recent heartbeats", registry=r
+        )
+        self.quorum_s = Gauge(
+            "ddiloco_syncer_quorum_seconds", "Time to quorum", ["fragment"], registry=r
+        )
+        self.grace_s = Gauge(
+            "ddiloco_syncer_grace_seconds", "Grace window", ["fragment"], registry=r
+        )
         self.sync_s = Gauge("ddiloco_syncer_sync_seconds", "Merge+checkpoint+publish", registry=r)
         self.bytes_in = Gauge("ddiloco_syncer_bytes_received", "Bytes received", registry=r)
         self.bytes_out = Gauge("ddiloco_syncer_bytes_sent", "Bytes sent", registry=r)
-        self.eval_loss = Gauge("ddiloco_syncer_eval_loss", "Held-out loss of the global model", registry=r)
+        self.eval_loss = Gauge(
+            "ddiloco_syncer_eval_loss", "Held-out loss of the global model", registry=r
+        )
         if port:
             start_http_server(port, registry=r)
 
@@ -96,9 +112,15 @@ class Syncer:
         self.checkpoint_dir = Path(cfg.checkpoint_dir)
         self._check_manifest()
         params = AggregationParams(
-            quorum=cfg.quorum, grace_gamma=cfg.grace_gamma, overlap=cfg.overlap,
-            staleness=cfg.staleness, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-            aggregation=cfg.aggregation, codec=cfg.codec, quarantine_factor=cfg.quarantine_factor,
+            quorum=cfg.quorum,
+            grace_gamma=cfg.grace_gamma,
+            overlap=cfg.overlap,
+            staleness=cfg.staleness,
+            outer_lr=cfg.outer_lr,
+            outer_momentum=cfg.outer_momentum,
+            aggregation=cfg.aggregation,
+            codec=cfg.codec,
+            quarantine_factor=cfg.quarantine_factor,
         )
         named = dict(model.named_parameters())
         self.states: dict[int, FragmentState] = {}
@@ -141,11 +163,16 @@ class Syncer:
                 f"{manifest.get('plan_hash')} != {self.plan.plan_hash}); point "
                 "checkpoint_dir elsewhere or delete it"
             )
-        save_manifest(self.checkpoint_dir, {
-            "run_id": self.cfg.run_id, "plan_hash": self.plan.plan_hash,
-            "fragments": self.cfg.fragments, "sync_every": self.cfg.sync_every,
-            "model": self.cfg.model.__dict__,
-        })
+        save_manifest(
+            self.checkpoint_dir,
+            {
+                "run_id": self.cfg.run_id,
+                "plan_hash": self.plan.plan_hash,
+                "fragments": self.cfg.fragments,
+                "sync_every": self.cfg.sync_every,
+                "model": self.cfg.model.__dict__,
+            },
+        )
 
     # -- events ----------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -165,7 +192,9 @@ class Syncer:
 
     def step(self) -> None:
         now = self.clock()
-        deadlines = [d for s in self.states.values() if (d := s.close_at(self.step_s.value)) is not None]
+        deadlines = [
+            d for s in self.states.values() if (d := s.close_at(self.step_s.value)) is not None
+        ]
         timeout = min([0.2] + [max(0.0, d - now) for d in deadlines])
         items = self.transport.receive(timeout)
         now = self.clock()
@@ -173,9 +202,8 @@ class Syncer:
         for item in items:
             if isinstance(item.message, Heartbeat):
                 self._on_heartbeat(item.message, now)
-            elif isinstance(item.message, Delta):
-                if self._on_delta(item, now):
-                    to_ack.append(item)
+            elif isinstance(item.message, Delta) and self._on_delta(item, now):
+                to_ack.append(item)
         if to_ack:
             self.transport.ack(to_ack)
         live = self.live_learners(now)
@@ -198,8 +226,9 @@ class Syncer:
     def _reject(self, reason: str, delta: Delta) -> None:
         self.rejected[reason] += 1
         self.metrics.deltas_rejected.labels(reason).inc()
-        log.warning("rejected delta %s/%d from %s: %s", delta.fragment, delta.seq,
-                    delta.learner_id, reason)
+        log.warning(
+            "rejected delta %s/%d from %s: %s", delta.fragment, delta.seq, delta.learner_id, reason
+        )
         self.event("reject", reason=reason, learner=delta.learner_id, fragment=delta.fragment)
 
     def _on_delta(self, item: Inbound, now: float) -> bool:
@@ -224,7 +253,7 @@ class Syncer:
             self._reject(e.reason, d)
             return True
         status = state.offer(d, tensor, item, now)
-        if status == ACCEPTED or status == HELD:
+        if status in (ACCEPTED, HELD):
             return False
         if status == DUPLICATE:
             self.duplicates += 1
@@ -256,18 +285,34 @@ class Syncer:
         self.metrics.grace_s.labels(str(p)).set(grace_s)
         if quorum_s is not None:
             self.metrics.quorum_s.labels(str(p)).set(quorum_s)
-        self.event("round", fragment=p, version=result.version, included=result.included,
-                   tokens=result.tokens, learners=result.learners, keys=result.keys,
-                   quorum_s=quorum_s,
-                   grace_s=grace_s, sync_s=sync_s, merged_tokens=self.merged_tokens)
+        self.event(
+            "round",
+            fragment=p,
+            version=result.version,
+            included=result.included,
+            tokens=result.tokens,
+            learners=result.learners,
+            keys=result.keys,
+            quorum_s=quorum_s,
+            grace_s=grace_s,
+            sync_s=sync_s,
+            merged_tokens=self.merged_tokens,
+        )
 
     def _publish(self, p: int) -> None:
         state = self.states[p]
-        self.transport.publish(GlobalFragment(
-            run_id=self.cfg.run_id, fragment=p, plan_hash=self.plan.plan_hash,
-            version=state.version, codec=state.codec.name, numel=state.numel,
-            payload=state.payload, sent_at=time.time(),
-        ))
+        self.transport.publish(
+            GlobalFragment(
+                run_id=self.cfg.run_id,
+                fragment=p,
+                plan_hash=self.plan.plan_hash,
+                version=state.version,
+                codec=state.codec.name,
+                numel=state.numel,
+                payload=state.payload,
+                sent_at=time.time(),
+            )
+        )
 
     # -- evaluation and shutdown ------------------------------------------
     def global_model(self) -> GPT:
@@ -284,13 +329,19 @@ class Syncer:
             return None  # another syncer holds part of the model
         if self._eval_batches is None:
             corpus = load_corpus(self.cfg.data, self.cfg.model.vocab_size, self.cfg.model.seq_len)
-            self._eval_batches = eval_batches(corpus.val, self.cfg.model.seq_len,
-                                              self.cfg.eval_batch_size, self.cfg.eval_batches)
+            self._eval_batches = eval_batches(
+                corpus.val, self.cfg.model.seq_len, self.cfg.eval_batch_size, self.cfg.eval_batches
+            )
         self.eval_loss = evaluate(self.global_model(), self._eval_batches)
         self.metrics.eval_loss.set(self.eval_loss)
         versions = {str(p): s.version for p, s in self.states.items()}
-        self.event("eval", loss=self.eval_loss, merged_tokens=self.merged_tokens,
-                   learner_tokens=sum(self.learner_tokens.values()), versions=versions)
+        self.event(
+            "eval",
+            loss=self.eval_loss,
+            merged_tokens=self.merged_tokens,
+            learner_tokens=sum(self.learner_tokens.values()),
+            versions=versions,
+        )
         log.info("eval loss %.4f (merged tokens %d)", self.eval_loss, self.merged_tokens)
         return self.eval_loss
 
@@ -310,12 +361,15 @@ class Syncer:
     def summary(self) -> dict[str, Any]:
         stats = self.transport.stats
         return {
-            "fragments_published": self.rounds, "deltas_applied": self.deltas_applied,
+            "fragments_published": self.rounds,
+            "deltas_applied": self.deltas_applied,
             "deltas_rejected": sum(self.rejected.values()),
-            "rejected_by_reason": dict(self.rejected) | {
-                f"transport_{k}": v for k, v in stats.rejected.items()},
-            "duplicates": self.duplicates, "merged_tokens": self.merged_tokens,
-            "bytes_received": stats.bytes_received, "bytes_sent": stats.bytes_sent,
+            "rejected_by_reason": dict(self.rejected)
+            | {f"transport_{k}": v for k, v in stats.rejected.items()},
+            "duplicates": self.duplicates,
+            "merged_tokens": self.merged_tokens,
+            "bytes_received": stats.bytes_received,
+            "bytes_sent": stats.bytes_sent,
             "versions": {str(p): s.version for p, s in self.states.items()},
             "eval_loss": self.eval_loss,
         }
@@ -325,7 +379,8 @@ def run_syncer(cfg: SyncerConfig) -> None:
     syncer = Syncer(cfg)
     signal.signal(signal.SIGTERM, lambda *_: syncer.stop_requested.set())
     signal.signal(signal.SIGINT, lambda *_: syncer.stop_requested.set())
-    log.info("syncer %s owns fragments %s (plan %s)", cfg.syncer_id, syncer.owned,
-             syncer.plan.plan_hash)
+    log.info(
+        "syncer %s owns fragments %s (plan %s)", cfg.syncer_id, syncer.owned, syncer.plan.plan_hash
+    )
     print("ready", flush=True)
     syncer.run()

@@ -63,9 +63,23 @@ class RedisServer:
     def start(self, timeout_s: float = 15.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [
-            redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", str(self.workdir), "--appendonly", "yes", "--appendfsync", "always",
-            "--save", "", "--daemonize", "no", "--logfile", str(self.workdir / "redis.log"),
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.workdir / "redis.log"),
         ]
         if self.password:
             args += ["--requirepass", self.password]

@@ -20,16 +20,49 @@ from tests.servers import RedisServer
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["--d-model", "64", "--n-layer", "2", "--n-head", "2", "--seq-len", "64",
-         "--fragments", "2", "--sync-every", "8", "--eval-every-s", "2",
-         "--learners", "4", "--slowdown", "4,4,4,4", "--restart-s", "1"]
+SMALL = [
+    "--d-model",
+    "64",
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--seq-len",
+    "64",
+    "--fragments",
+    "2",
+    "--sync-every",
+    "8",
+    "--eval-every-s",
+    "2",
+    "--learners",
+    "4",
+    "--slowdown",
+    "4,4,4,4",
+    "--restart-s",
+    "1",
+]
 
 
-def run_local(out: Path, *extra: str, timeout_s: float = 400) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def run_local(
+    out: Path, *extra: str, timeout_s: float = 400
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "compose.cli", "local", "--out", str(out), "--no-progress",
-         *SMALL, *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+        [
+            sys.executable,
+            "-m",
+            "compose.cli",
+            "local",
+            "--out",
+            str(out),
+            "--no-progress",
+            *SMALL,
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -42,16 +42,33 @@ def endpoint() -> str:
 
 def delta(learner: str, seq: int, fragment: int, incarnation: int = 1) -> Delta:
     return Delta(
-        run_id=RUN, learner_id=learner, incarnation=incarnation, seq=seq, fragment=fragment,
-        plan_hash=PLAN, base_version=0, step=seq, c_steps=1, c_tokens=16, sent_at=time.time(),
-        codec="fp32", numel=4, payload=torch.full((4,), float(seq)).numpy().tobytes(),
+        run_id=RUN,
+        learner_id=learner,
+        incarnation=incarnation,
+        seq=seq,
+        fragment=fragment,
+        plan_hash=PLAN,
+        base_version=0,
+        step=seq,
+        c_steps=1,
+        c_tokens=16,
+        sent_at=time.time(),
+        codec="fp32",
+        numel=4,
+        payload=torch.full((4,), float(seq)).numpy().tobytes(),
     )
 
 
 def global_fragment(fragment: int, version: int) -> GlobalFragment:
     return GlobalFragment(
-        run_id=RUN, fragment=fragment, plan_hash=PLAN, version=version, codec="fp32", numel=4,
-        payload=torch.full((4,), float(version)).numpy().tobytes(), sent_at=time.time(),
+        run_id=RUN,
+        fragment=fragment,
+        plan_hash=PLAN,
+        version=version,
+        codec="fp32",
+        numel=4,
+        payload=torch.full((4,), float(version)).numpy().tobytes(),
+        sent_at=time.time(),
     )
 
 
@@ -64,9 +81,22 @@ class Consumer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.transport_consumer", "--backend", "zmq",
-             "--url", self.bind, "--run", RUN, "--db", str(self.db)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "tests.transport_consumer",
+                "--backend",
+                "zmq",
+                "--url",
+                self.bind,
+                "--run",
+                RUN,
+                "--db",
+                str(self.db),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
         )
         assert self.proc.stdout is not None
         assert self.proc.stdout.readline().strip() == b"ready"
@@ -111,7 +141,9 @@ def run_learner(bind: str, name: str, n: int, errors: list[BaseException]) -> No
         errors.append(e)
 
 
-def send_from_learners(bind: str, learners: int, per_learner: int) -> tuple[list[threading.Thread], list[BaseException]]:
+def send_from_learners(
+    bind: str, learners: int, per_learner: int
+) -> tuple[list[threading.Thread], list[BaseException]]:
     errors: list[BaseException] = []
     threads = [
         threading.Thread(target=run_learner, args=(bind, f"learner-{i}", per_learner, errors))
@@ -263,8 +295,7 @@ def test_bad_frames_are_counted_and_good_deltas_still_arrive() -> None:
     raw.connect(bind)
     try:
         good = wire.encode(delta("l0", 1, 0))
-        big = Delta(**{**delta("l0", 2, 0).__dict__, "numel": 1000,
-                       "payload": bytes(4000)})
+        big = Delta(**{**delta("l0", 2, 0).__dict__, "numel": 1000, "payload": bytes(4000)})
         raw.send(b"garbage!" * 8)
         raw.send(good[:-3])  # truncated
         raw.send(good[:20] + bytes([good[20] ^ 0xFF]) + good[21:])  # corrupt

@@ -44,7 +44,10 @@ def make_transport(args: argparse.Namespace) -> SyncerTransport:
         from broker.redis_transport import RedisSyncerTransport
 
         return RedisSyncerTransport(
-            args.url, args.run, consumer=args.syncer_id, fragments=fragments,
+            args.url,
+            args.run,
+            consumer=args.syncer_id,
+            fragments=fragments,
             claim_idle_s=args.claim_idle_s,
         )
     from broker.zmq_transport import ZmqSyncerTransport
@@ -100,10 +103,18 @@ def main(argv: list[str] | None = None) -> int:
             for p in sorted(touched):
                 versions[p] = versions.get(p, 0) + 1
                 payload = torch.full((4,), float(versions[p])).numpy().tobytes()
-                transport.publish(GlobalFragment(
-                    run_id=args.run, fragment=p, plan_hash=PLAN_HASH, version=versions[p],
-                    codec="fp32", numel=4, payload=payload, sent_at=time.time(),
-                ))
+                transport.publish(
+                    GlobalFragment(
+                        run_id=args.run,
+                        fragment=p,
+                        plan_hash=PLAN_HASH,
+                        version=versions[p],
+                        codec="fp32",
+                        numel=4,
+                        payload=payload,
+                        sent_at=time.time(),
+                    )
+                )
         transport.ack(deltas)
     transport.close()
     return 0
