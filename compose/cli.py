@@ -35,8 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     from compose.local import add_local_args
 
     add_local_args(sub.add_parser("local", help="run a syncer and M learners on this machine"))
-    add_dataclass_args(sub.add_parser("learner", help="run one learner"), LearnerConfig)
-    add_dataclass_args(sub.add_parser("syncer", help="run one syncer"), SyncerConfig)
+    try:
+        add_dataclass_args(sub.add_parser("learner", help="run one learner"), LearnerConfig)
+        add_dataclass_args(sub.add_parser("syncer", help="run one syncer"), SyncerConfig)
+    except ValueError as e:  # a DDILOCO_* variable that does not parse
+        print(f"ddiloco: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     _setup_logging(args.log_level)
     try:

@@ -34,8 +34,11 @@ def _converter(tp: Any) -> tuple[Any, bool]:
     """(function turning one string into a value, whether it is a comma list)."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
+        # Optional: the words "none" and "" mean None (only here).
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
         conv, is_list = _converter(inner[0])
+        if is_list:
+            return conv, is_list  # the list parser below handles "none"
         return (lambda s: None if s.lower() in ("", "none") else conv(s)), is_list
     if origin is tuple:
         conv, _ = _converter(typing.get_args(tp)[0])
@@ -57,18 +60,25 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
             add_dataclass_args(parser, ModelConfig, prefix="model_")
             continue
         conv, is_list = _converter(tp)
+        optional = typing.get_origin(tp) in (Union, types.UnionType)
         env = "DDILOCO_" + (prefix + f.name).upper()
 
-        def parse(text: str, conv: Any = conv, is_list: bool = is_list) -> Any:
+        def parse(
+            text: str, conv: Any = conv, is_list: bool = is_list, optional: bool = optional
+        ) -> Any:
             if is_list:
-                return (
-                    None
-                    if text.lower() in ("", "none")
-                    else tuple(conv(part) for part in text.split(",") if part)
-                )
+                if optional and text.lower() in ("", "none"):
+                    return None
+                return tuple(conv(part) for part in text.split(",") if part)
             return conv(text)
 
-        default = dataclasses.MISSING if env not in os.environ else parse(os.environ[env])
+        parse.__name__ = getattr(conv, "__name__", "value")  # argparse names it in errors
+        default: Any = dataclasses.MISSING
+        if env in os.environ:
+            try:
+                default = parse(os.environ[env])
+            except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+                raise ValueError(f"{env}={os.environ[env]!r}: {e}") from None
         parser.add_argument(
             _flag(prefix, f.name),
             dest=prefix + f.name,

@@ -60,7 +60,7 @@ def _intervals(events: list[dict[str, Any]], end: float) -> dict[str, list[tuple
             open_since[e["learner"]] = e["t"]
         elif e["event"] == "done" and e.get("learner") in open_since:
             spans[e["learner"]].append((open_since.pop(e["learner"]), e["t"]))
-        elif e["event"] == "process_kill" and e.get("process") in open_since:
+        elif e["event"] in ("process_kill", "process_crash") and e.get("process") in open_since:
             spans[e["process"]].append((open_since.pop(e["process"]), e["t"]))
     for name, since in open_since.items():
         spans[name].append((since, end))

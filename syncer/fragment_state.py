@@ -208,6 +208,7 @@ class FragmentState:
         meta = {
             "fragment": self.fragment,
             "version": self.version,
+            "codec": self.codec.name,
             "applied": {k: list(v) for k, v in self.applied.items()},
         }
         return tensors, meta
@@ -219,16 +220,27 @@ class FragmentState:
                 f"fragment {self.fragment}: checkpoint versions {versions} "
                 f"do not end at {meta['version']}"
             )
+        expected = (self.numel,)
+        momentum = tensors.get("momentum")
+        sizes = [tensors[f"version.{v}"].shape for v in versions]
+        if momentum is not None:
+            sizes.append(momentum.shape)
+        if any(tuple(shape) != expected for shape in sizes):
+            raise ValueError(
+                f"fragment {self.fragment}: checkpoint tensors do not have the plan's "
+                f"{self.numel} elements (the plan needs ({self.numel},)); another model?"
+            )
         history = VersionHistory(self.params.staleness)
         for v in versions:
-            w = tensors[f"version.{v}"].to(torch.float32)
-            if w.shape != (self.numel,):
-                raise ValueError(
-                    f"fragment {self.fragment}: checkpoint holds {tuple(w.shape)}, "
-                    f"the plan needs ({self.numel},)"
-                )
-            history.push(v, w)
+            history.push(v, tensors[f"version.{v}"].to(torch.float32))
         self.history = history
-        self.payload = tensors["payload"].numpy().tobytes()
-        self.momentum = tensors.get("momentum")
+        self.momentum = None if momentum is None else momentum.to(torch.float32)
         self.applied = {k: (int(v[0]), int(v[1])) for k, v in meta["applied"].items()}
+        if meta.get("codec", self.codec.name) == self.codec.name:
+            self.payload = tensors["payload"].numpy().tobytes()
+        else:
+            # The downlink codec changed across the restart: publish the weights
+            # under the new codec as a new version, so learners rebase on exactly
+            # what they decode while deltas on the old version stay exact too.
+            weights, self.payload = canonical(self.codec, self.weights)
+            self.history.push(self.version + 1, weights)

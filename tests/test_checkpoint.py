@@ -1,0 +1,117 @@
+"""Atomic checkpoint files: round trips, checked with safetensors' own reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from syncer.checkpoint import (
+    atomic_write,
+    fragment_path,
+    load_fragment,
+    load_manifest,
+    save_fragment,
+    save_manifest,
+)
+
+torch.set_num_threads(1)
+
+
+def sample_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "version.3": torch.randn(17, generator=g),
+        "version.4": torch.randn(17, generator=g),
+        "momentum": torch.randn(17, generator=g),
+        "payload": torch.randint(0, 256, (40,), generator=g, dtype=torch.uint8),
+        "matrix": torch.randn(3, 5, generator=g).t(),  # not contiguous
+        "halves": torch.randn(6, generator=g).to(torch.bfloat16),
+        "counts": torch.arange(5, dtype=torch.int64),
+    }
+
+
+META = {"fragment": 2, "version": 4, "applied": {"learner-0": [1, 7], "learner-1": [0, 12]},
+        "note": "ünïcode ok"}
+
+
+def test_fragment_round_trip(tmp_path: Path) -> None:
+    tensors = sample_tensors()
+    written = save_fragment(tmp_path, 2, tensors, META)
+    path = fragment_path(tmp_path, 2)
+    assert path == tmp_path / "fragment-0002.safetensors"
+    assert written == path.stat().st_size > 0
+
+    loaded = load_fragment(tmp_path, 2)
+    assert loaded is not None
+    got, meta = loaded
+    assert meta == META
+    assert set(got) == set(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), name
+
+
+def test_file_is_plain_safetensors(tmp_path: Path) -> None:
+    """Read back with the safetensors library alone: no pickles, metadata as JSON."""
+    tensors = sample_tensors()
+    save_fragment(tmp_path, 0, tensors, META)
+    with safe_open(str(fragment_path(tmp_path, 0)), framework="pt") as f:
+        assert set(f.keys()) == set(tensors)
+        assert torch.equal(f.get_tensor("momentum"), tensors["momentum"])
+        metadata = f.metadata()
+    assert json.loads(metadata["ddiloco"]) == META
+
+
+def test_save_replaces_the_previous_state(tmp_path: Path) -> None:
+    save_fragment(tmp_path, 1, {"version.0": torch.zeros(4)}, {"version": 0})
+    save_fragment(tmp_path, 1, {"version.1": torch.ones(4)}, {"version": 1})
+    loaded = load_fragment(tmp_path, 1)
+    assert loaded is not None
+    got, meta = loaded
+    assert meta == {"version": 1}
+    assert list(got) == ["version.1"] and torch.equal(got["version.1"], torch.ones(4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fragment-0001.safetensors"]
+
+
+def test_load_of_a_missing_fragment_is_none(tmp_path: Path) -> None:
+    assert load_fragment(tmp_path, 0) is None
+    assert load_fragment(tmp_path / "does-not-exist", 3) is None
+    save_fragment(tmp_path, 0, {"x": torch.zeros(1)}, {})
+    assert load_fragment(tmp_path, 1) is None
+
+
+def test_atomic_write_creates_replaces_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    target = tmp_path / "sub" / "dir" / "state.bin"
+    atomic_write(target, b"first")
+    assert target.read_bytes() == b"first"
+    atomic_write(target, b"second, longer")
+    assert target.read_bytes() == b"second, longer"
+    atomic_write(target, b"")
+    assert target.read_bytes() == b""
+    assert [p.name for p in target.parent.iterdir()] == ["state.bin"]
+
+
+def test_failed_atomic_write_keeps_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "state.bin"
+    atomic_write(target, b"good")
+    with pytest.raises(TypeError):
+        atomic_write(target, "not bytes")  # type: ignore[arg-type]
+    assert target.read_bytes() == b"good"
+    assert [p.name for p in tmp_path.iterdir()] == ["state.bin"]
+
+
+def test_manifest_round_trip(tmp_path: Path) -> None:
+    assert load_manifest(tmp_path) is None
+    manifest = {"run_id": "r1", "plan_hash": "0123456789abcdef", "fragments": 4,
+                "sync_every": 24, "model": {"d_model": 128, "n_layer": 4}}
+    save_manifest(tmp_path, manifest)
+    assert load_manifest(tmp_path) == manifest
+    # It is plain JSON on disk.
+    assert json.loads((tmp_path / "manifest.json").read_text()) == manifest
+    save_manifest(tmp_path, {"run_id": "r2"})
+    assert load_manifest(tmp_path) == {"run_id": "r2"}
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]

@@ -1,0 +1,507 @@
+"""FragmentState, the syncer's per-fragment logic, against numpy and hand numbers.
+
+Every expected value below is computed here from the formulas of DESIGN.md
+section 2 (rebasing, token-step weights, weighted or radial mean, Nesterov),
+in float64 numpy, never by calling the code under test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from broker.codecs import Codec
+from broker.wire import Delta
+from syncer.checkpoint import load_fragment, save_fragment
+from syncer.fragment_state import (
+    ACCEPTED,
+    DUPLICATE,
+    HELD,
+    AggregationParams,
+    FragmentState,
+    canonical,
+)
+
+torch.set_num_threads(1)
+
+LR, MU = 0.7, 0.9
+W0 = np.array([1.0, -2.0, 0.5, 3.0, -1.5, 0.25, 0.0, 2.0])
+N = W0.size
+# Three learners' first deltas, with their counters and hand-computed weights
+# w = c_tokens * (c_tokens / c_steps).
+ROUND1: dict[str, dict[str, Any]] = {
+    "a": {"delta": [0.1, 0.2, -0.1, 0.0, 0.3, -0.2, 0.05, 0.1], "c_tokens": 100, "c_steps": 4,
+          "w": 2500.0},
+    "b": {"delta": [-0.2, 0.1, 0.0, 0.4, -0.1, 0.1, 0.2, -0.3], "c_tokens": 200, "c_steps": 8,
+          "w": 5000.0},
+    "c": {"delta": [0.3, -0.3, 0.2, 0.1, 0.0, -0.4, -0.1, 0.2], "c_tokens": 60, "c_steps": 2,
+          "w": 1800.0},
+}
+
+
+def params(**over: Any) -> AggregationParams:
+    values: dict[str, Any] = dict(
+        quorum=3, grace_gamma=0.5, overlap=2, staleness=2, outer_lr=LR, outer_momentum=MU,
+        aggregation="mean", codec="fp32", quarantine_factor=10.0,
+    )
+    values.update(over)
+    return AggregationParams(**values)
+
+
+def delta(learner: str, seq: int, base_version: int, c_tokens: int = 100, c_steps: int = 4,
+          incarnation: int = 0, numel: int = N) -> Delta:
+    return Delta(run_id="r", learner_id=learner, incarnation=incarnation, seq=seq, fragment=0,
+                 base_version=base_version, c_tokens=c_tokens, c_steps=c_steps, numel=numel)
+
+
+def f32(x: Any) -> torch.Tensor:
+    return torch.tensor(np.asarray(x, dtype=np.float64), dtype=torch.float32)
+
+
+def np64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float64).numpy()
+
+
+def offer(state: FragmentState, d: Delta, tensor: torch.Tensor | np.ndarray | list[float],
+          ref: Any = None, now: float = 0.0) -> str:
+    t = tensor if isinstance(tensor, torch.Tensor) else f32(tensor)
+    return state.offer(d, t, ref, now)
+
+
+def offer_round1(state: FragmentState) -> None:
+    for name, r in ROUND1.items():
+        status = offer(state, delta(name, 1, 0, r["c_tokens"], r["c_steps"]), r["delta"],
+                       ref=f"ref-{name}")
+        assert status == ACCEPTED
+
+
+def expected_round1(w0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(new weights, momentum) after round 1, all learners based on version 0."""
+    # Based on the current version, the rebased gradient is the delta itself.
+    grads = {name: w0 - (w0 - np.array(r["delta"])) for name, r in ROUND1.items()}
+    total = sum(r["w"] for r in ROUND1.values())
+    merged = sum(r["w"] * grads[name] for name, r in ROUND1.items()) / total
+    # First Nesterov step: buf = g, w_new = w - lr * (g + mu * g).
+    return w0 - LR * (merged + MU * merged), merged
+
+
+# -- one round, exact codec ----------------------------------------------------
+def test_round_of_three_matches_numpy_fp32() -> None:
+    state = FragmentState(0, f32(W0), params())
+    assert state.version == 0
+    offer_round1(state)
+    assert state.pending_learners == ["a", "b", "c"]
+    result = state.close()
+
+    new, buf = expected_round1(W0)
+    np.testing.assert_allclose(np64(state.weights), new, rtol=0, atol=2e-6)
+    assert state.momentum is not None
+    np.testing.assert_allclose(np64(state.momentum), buf, rtol=0, atol=2e-6)
+    assert state.weights.dtype == torch.float32 and state.weights.shape == (N,)
+
+    assert result.version == 1 and state.version == 1
+    assert result.included == 3
+    assert result.tokens == 100 + 200 + 60
+    assert result.learners == ["a", "b", "c"]
+    assert result.keys == [("a", 0, 1), ("b", 0, 1), ("c", 0, 1)]
+    assert result.refs == ["ref-a", "ref-b", "ref-c"]
+    assert state.applied == {"a": (0, 1), "b": (0, 1), "c": (0, 1)}
+    assert state.pending_learners == []
+    # fp32 is lossless: the payload is exactly the stored weights' bytes.
+    assert result.payload == state.payload
+    assert result.payload == state.weights.numpy().tobytes()
+    assert torch.equal(Codec.parse("fp32").decode(result.payload, N), state.weights)
+
+
+def test_round_of_three_int8_publishes_the_decoded_fp32_result() -> None:
+    codec = Codec.parse("int8")
+    state = FragmentState(0, f32(W0), params(codec="int8"))
+    # The initial global is already what learners decode.
+    v0 = codec.decode(codec.encode(f32(W0)), N)
+    assert torch.equal(state.weights, v0)
+    assert state.payload == codec.encode(f32(W0))
+
+    offer_round1(state)
+    result = state.close()
+    new, _ = expected_round1(np64(v0))
+    expected = codec.decode(codec.encode(f32(new)), N)
+    assert torch.equal(state.weights, expected)
+    assert torch.equal(codec.decode(result.payload, N), state.weights)
+    assert len(result.payload) == codec.quantised_size(N)
+    # Lossy, but within one quantisation step of the fp32 result.
+    step = np.abs(new).max() / 127
+    np.testing.assert_allclose(np64(state.weights), new, rtol=0, atol=step)
+
+
+def test_canonical_returns_what_the_codec_decodes() -> None:
+    codec = Codec.parse("int4")
+    x = f32(np.linspace(-1.0, 1.0, 100))
+    weights, payload = canonical(codec, x)
+    assert payload == codec.encode(x)
+    assert torch.equal(weights, codec.decode(codec.encode(x), 100))
+    assert not torch.equal(weights, x)  # int4 is lossy, so the copy matters
+
+
+# -- a stale learner is rebased ------------------------------------------------
+def test_second_round_rebases_a_learner_one_version_behind() -> None:
+    state = FragmentState(0, f32(W0), params())
+    offer_round1(state)
+    state.close()
+    v0 = W0
+    v1 = np64(state.weights)  # what the syncer rebases against (numpy-checked above)
+    _, buf1 = expected_round1(W0)
+
+    d_a = np.array([0.05, -0.1, 0.2, 0.0, 0.1, 0.1, -0.2, 0.3])  # a trained from v0
+    d_b = np.array([0.1, 0.1, -0.1, -0.2, 0.0, 0.3, 0.1, -0.1])  # b trained from v1
+    assert offer(state, delta("a", 2, 0, c_tokens=50, c_steps=5), d_a, "a2") == ACCEPTED
+    assert offer(state, delta("b", 2, 1, c_tokens=80, c_steps=4), d_b, "b2") == ACCEPTED
+    result = state.close()
+
+    # a's weights theta_a = v0 - d_a; its outer gradient is against v1.
+    g_a = v1 - (v0 - d_a)
+    g_b = v1 - (v1 - d_b)
+    w_a, w_b = 50 * 50 / 5, 80 * 80 / 4  # 500, 1600
+    merged = (w_a * g_a + w_b * g_b) / (w_a + w_b)
+    buf2 = MU * buf1 + merged
+    v2 = v1 - LR * (merged + MU * buf2)
+    np.testing.assert_allclose(np64(state.weights), v2, rtol=0, atol=3e-6)
+    assert state.momentum is not None
+    np.testing.assert_allclose(np64(state.momentum), buf2, rtol=0, atol=3e-6)
+    assert result.version == 2 and result.tokens == 130
+    assert result.keys == [("a", 0, 2), ("b", 0, 2)]
+
+    # Staleness 2 keeps versions 1 and 2: 0 is now too old, 3 does not exist yet.
+    assert offer(state, delta("c", 2, 0), d_a) == "stale"
+    assert offer(state, delta("c", 2, 3), d_a) == "future_version"
+    assert offer(state, delta("c", 2, 1), d_a) == ACCEPTED
+
+
+def test_staleness_one_keeps_only_the_current_version() -> None:
+    state = FragmentState(0, f32(W0), params(staleness=1))
+    offer_round1(state)
+    state.close()
+    assert offer(state, delta("a", 2, 0), ROUND1["a"]["delta"]) == "stale"
+    assert offer(state, delta("a", 2, 2), ROUND1["a"]["delta"]) == "future_version"
+    assert offer(state, delta("a", 2, 1), ROUND1["a"]["delta"]) == ACCEPTED
+
+
+def test_first_version_may_be_nonzero() -> None:
+    state = FragmentState(0, f32(W0), params(), version=7)
+    assert state.version == 7
+    assert offer(state, delta("a", 0, 6), ROUND1["a"]["delta"]) == "stale"
+    assert offer(state, delta("a", 0, 7), ROUND1["a"]["delta"]) == ACCEPTED
+    assert state.close().version == 8
+
+
+# -- duplicates, resends, superseding ------------------------------------------
+def plain_average() -> AggregationParams:
+    """lr 1, momentum 0: the new global is the (weighted) mean of learners' weights."""
+    return params(outer_lr=1.0, outer_momentum=0.0)
+
+
+def test_replay_of_an_applied_delta_is_a_duplicate() -> None:
+    state = FragmentState(0, f32(W0), params())
+    offer_round1(state)
+    state.close()
+    before = state.weights.clone()
+    d = ROUND1["a"]["delta"]
+    assert offer(state, delta("a", 1, 0), d, "replay") == DUPLICATE  # same key
+    assert offer(state, delta("a", 0, 0), d, "older") == DUPLICATE  # older key
+    assert state.pending_learners == []
+    with pytest.raises(RuntimeError):
+        state.close()  # nothing was taken in
+    assert torch.equal(state.weights, before) and state.version == 1
+
+
+def test_resend_of_a_pending_delta_is_held_and_acked_on_close() -> None:
+    state = FragmentState(0, f32(W0), plain_average())
+    d = np.full(N, 0.25)
+    assert offer(state, delta("a", 3, 0), d, "first") == ACCEPTED
+    assert offer(state, delta("a", 3, 0), d, "resend") == HELD
+    assert offer(state, delta("a", 2, 0), d, "late-older") == HELD
+    result = state.close()
+    assert result.included == 1 and result.keys == [("a", 0, 3)]
+    assert sorted(result.refs) == ["first", "late-older", "resend"]
+    np.testing.assert_allclose(np64(state.weights), W0 - d, rtol=0, atol=1e-6)
+    # The held refs were handed over once; the next round starts clean.
+    assert offer(state, delta("b", 0, 1), d, "b0") == ACCEPTED
+    assert state.close().refs == ["b0"]
+
+
+def test_newer_delta_of_the_same_learner_supersedes_the_older() -> None:
+    state = FragmentState(0, f32(W0), plain_average())
+    old = np.full(N, 1.0)
+    new = np.linspace(-0.5, 0.5, N)
+    assert offer(state, delta("a", 3, 0, c_tokens=10, c_steps=1), old, "a3") == ACCEPTED
+    assert offer(state, delta("a", 4, 0, c_tokens=20, c_steps=2), new, "a4") == ACCEPTED
+    assert state.pending_learners == ["a"]
+    result = state.close()
+    assert result.included == 1
+    assert result.keys == [("a", 0, 4)]
+    assert result.tokens == 20  # only the newer delta's tokens
+    assert sorted(result.refs) == ["a3", "a4"]
+    np.testing.assert_allclose(np64(state.weights), W0 - new, rtol=0, atol=1e-6)
+    assert state.applied == {"a": (0, 4)}
+    assert offer(state, delta("a", 3, 0), old) == DUPLICATE
+
+
+def test_new_incarnation_is_accepted_after_the_old_one_was_applied() -> None:
+    state = FragmentState(0, f32(W0), plain_average())
+    d = np.full(N, 0.5)
+    assert offer(state, delta("a", 9, 0), d) == ACCEPTED
+    state.close()
+    assert state.applied == {"a": (0, 9)}
+    # A restarted learner numbers its deltas from 0 again under a higher incarnation.
+    assert offer(state, delta("a", 0, 1, incarnation=1), d, "inc1") == ACCEPTED
+    result = state.close()
+    assert result.keys == [("a", 1, 0)]
+    assert state.applied == {"a": (1, 0)}
+    assert offer(state, delta("a", 9, 1, incarnation=0), d) == DUPLICATE
+
+
+# -- rejections ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("tensor", "c_tokens", "c_steps", "reason"),
+    [
+        (torch.zeros(N + 1), 10, 1, "bad_shape"),
+        (torch.zeros(N - 1), 10, 1, "bad_shape"),
+        (torch.zeros(2, N // 2), 10, 1, "bad_shape"),
+        (f32([0.0] * (N - 1) + [float("nan")]), 10, 1, "non_finite"),
+        (f32([float("inf")] + [0.0] * (N - 1)), 10, 1, "non_finite"),
+        (f32([0.0] * (N - 1) + [float("-inf")]), 10, 1, "non_finite"),
+        (torch.zeros(N), 0, 1, "empty"),
+        (torch.zeros(N), 10, 0, "empty"),
+    ],
+)
+def test_bad_deltas_are_refused_with_their_reason(
+    tensor: torch.Tensor, c_tokens: int, c_steps: int, reason: str
+) -> None:
+    state = FragmentState(0, f32(W0), params())
+    assert offer(state, delta("a", 0, 0, c_tokens=c_tokens, c_steps=c_steps), tensor) == reason
+    assert state.pending_learners == []
+    # A refusal is not a key the learner has used up.
+    assert offer(state, delta("a", 0, 0), torch.zeros(N)) == ACCEPTED
+
+
+def test_close_with_nothing_pending_raises() -> None:
+    state = FragmentState(0, f32(W0), params())
+    with pytest.raises(RuntimeError, match="no deltas"):
+        state.close()
+
+
+# -- quarantine ----------------------------------------------------------------
+def unit(scale: float, n: int = N) -> np.ndarray:
+    """A vector of norm ``scale``."""
+    return np.full(n, scale / np.sqrt(n))
+
+
+def test_outlier_is_quarantined_and_others_still_accepted() -> None:
+    state = FragmentState(0, f32(W0), params())
+    for i in range(5):  # norm per step 1.0 each
+        assert offer(state, delta(f"l{i}", 0, 0, c_steps=2), unit(2.0), f"l{i}") == ACCEPTED
+    assert offer(state, delta("bad", 0, 0, c_steps=2), unit(200.0), "bad") == "quarantined"
+    assert offer(state, delta("l5", 0, 0, c_steps=2), unit(2.2), "l5") == ACCEPTED
+    result = state.close()
+    assert "bad" not in result.learners and "bad" not in result.refs
+    assert result.included == 6
+
+
+def test_quarantine_needs_enough_samples_first() -> None:
+    state = FragmentState(0, f32(W0), params())
+    assert offer(state, delta("a", 0, 0, c_steps=1), unit(1.0)) == ACCEPTED
+    # Fewer than 5 observations: no median to compare with yet.
+    assert offer(state, delta("b", 0, 0, c_steps=1), unit(1000.0)) == ACCEPTED
+
+
+def test_quarantine_measures_norm_per_step() -> None:
+    state = FragmentState(0, f32(W0), params())
+    for i in range(5):
+        assert offer(state, delta(f"l{i}", 0, 0, c_steps=1), unit(1.0)) == ACCEPTED
+    # 40x the norm, but over 40 steps: 1.0 per step, an ordinary delta.
+    assert offer(state, delta("slow", 0, 0, c_steps=40), unit(40.0)) == ACCEPTED
+    # 40x the norm in 2 steps: 20 per step, more than 10x the median.
+    assert offer(state, delta("fast", 0, 0, c_steps=2), unit(40.0)) == "quarantined"
+
+
+def test_a_single_bad_learner_stays_quarantined() -> None:
+    """One bad learner among six supplies too few samples to move the median."""
+    state = FragmentState(0, f32(W0), params(quorum=5))
+    for seq in range(15):  # 90 observations: the 64-sample window turns over
+        version = state.version
+        for i in range(5):
+            status = offer(state, delta(f"l{i}", seq, version, c_steps=1), unit(1.0))
+            assert status == ACCEPTED
+        status = offer(state, delta("bad", seq, version, c_steps=1), unit(100.0))
+        assert status == "quarantined"
+        assert state.close().learners == [f"l{i}" for i in range(5)]
+    assert "bad" not in state.applied
+
+
+def test_everyone_growing_moves_the_median_so_no_deadlock() -> None:
+    """All learners' norms grow 20x (say, after warmup): after a few refusals the
+    window median follows them, and they are accepted again."""
+    state = FragmentState(0, f32(W0), params(quarantine_factor=10.0))
+    for i in range(5):
+        assert offer(state, delta(f"l{i}", 0, 0, c_steps=1), unit(1.0)) == ACCEPTED
+    state.close()
+    statuses = []
+    for seq in (1, 2):
+        for i in range(5):
+            statuses.append(offer(state, delta(f"l{i}", seq, 1, c_steps=1), unit(20.0)))
+    # Window before the k-th big offer: five 1.0s and k-1 20.0s. Its median stays
+    # 1.0 (20 > 10 x 1.0: refused) until k-1 = 5, when it is (1 + 20) / 2 = 10.5
+    # and 20 <= 105. From then on more than half the window is 20.
+    assert statuses == ["quarantined"] * 5 + [ACCEPTED] * 5
+    result = state.close()
+    assert result.included == 5
+    assert result.keys == [(f"l{i}", 0, 2) for i in range(5)]
+
+
+def test_growth_recovers_even_from_a_full_window() -> None:
+    state = FragmentState(0, f32(W0), params())
+    for seq in range(64):  # fill the whole window with norm 1.0
+        assert offer(state, delta("a", seq, 0, c_steps=1), unit(1.0)) == ACCEPTED
+    statuses = [offer(state, delta("a", 64 + k, 0, c_steps=1), unit(20.0)) for k in range(64)]
+    first_ok = statuses.index(ACCEPTED)
+    # Accepted once more than half of the 64 samples are the new size.
+    assert 0 < first_ok <= 33
+    assert all(s == ACCEPTED for s in statuses[first_ok:])
+
+
+# -- radial aggregation --------------------------------------------------------
+def test_radial_aggregation_matches_numpy() -> None:
+    state = FragmentState(0, f32(W0), params(aggregation="radial"))
+    offer_round1(state)
+    state.close()
+    total = sum(r["w"] for r in ROUND1.values())
+    direction = np.zeros(N)
+    radius = 0.0
+    for r in ROUND1.values():
+        g = np.array(r["delta"])
+        p = r["w"] / total
+        direction += p * g / np.linalg.norm(g)
+        radius += p * np.linalg.norm(g)
+    merged = direction / np.linalg.norm(direction) * radius
+    expected = W0 - LR * (1 + MU) * merged
+    np.testing.assert_allclose(np64(state.weights), expected, rtol=0, atol=2e-6)
+    # Radial keeps the mean magnitude; the plain mean of these is shorter.
+    plain, _ = expected_round1(W0)
+    assert np.linalg.norm(W0 - expected) > np.linalg.norm(W0 - plain)
+
+
+# -- round timing --------------------------------------------------------------
+def test_should_close_follows_quorum_and_round_done_resets() -> None:
+    state = FragmentState(0, f32(W0), params(quorum=2))
+    live = {"a", "b", "c"}
+    offer(state, delta("a", 0, 0), np.zeros(N), now=10.0)
+    assert not state.should_close(11.0, live, step_s=1.0)
+    assert state.close_at(1.0) is None
+    offer(state, delta("b", 0, 0), np.zeros(N), now=12.0)
+    # Quorum at t=12. No step time yet: no grace window. With 1 s steps and no
+    # history: 0.5 * max(0, 2 * 1.0 - 0) = 1 s after quorum.
+    assert state.close_at(None) == 12.0
+    assert state.close_at(1.0) == 13.0
+    assert not state.should_close(12.5, {"a", "b", "c"}, step_s=1.0)
+    assert state.should_close(12.5, {"a", "b"}, step_s=1.0)  # every live one reported
+    assert state.should_close(12.0, live, step_s=None)
+    state.close()
+    state.round_done(sync_s=0.1)
+    assert state.round.opened_at is None and state.round.reporters == set()
+    assert not state.should_close(100.0, live, step_s=1.0)
+
+
+# -- checkpoint state ----------------------------------------------------------
+def two_rounds(codec: str) -> FragmentState:
+    state = FragmentState(0, f32(W0), params(codec=codec))
+    offer_round1(state)
+    state.close()
+    assert offer(state, delta("a", 2, 0, incarnation=1), np.full(N, 0.1)) == ACCEPTED
+    assert offer(state, delta("b", 2, 1), np.full(N, -0.2)) == ACCEPTED
+    state.close()
+    return state
+
+
+def assert_same_state(a: FragmentState, b: FragmentState) -> None:
+    assert a.version == b.version
+    ha, hb = a.history.items(), b.history.items()
+    assert [v for v, _ in ha] == [v for v, _ in hb]
+    for (_, wa), (_, wb) in zip(ha, hb, strict=True):
+        assert torch.equal(wa, wb)
+    assert a.momentum is not None and b.momentum is not None
+    assert torch.equal(a.momentum, b.momentum)
+    assert a.payload == b.payload
+    assert a.applied == b.applied
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_state_load_round_trip(codec: str) -> None:
+    state = two_rounds(codec)
+    tensors, meta = state.state()
+    assert meta["version"] == 2
+    fresh = FragmentState(0, torch.zeros(N), params(codec=codec))
+    fresh.load(tensors, meta)
+    assert_same_state(state, fresh)
+    assert fresh.applied == {"a": (1, 2), "b": (0, 2), "c": (0, 1)}
+    # Both continue identically, and the restored one still refuses replays.
+    assert offer(fresh, delta("b", 2, 1), np.full(N, -0.2)) == DUPLICATE
+    for s in (state, fresh):
+        assert offer(s, delta("c", 2, 1), np.linspace(-1, 1, N)) == ACCEPTED
+        s.close()
+    assert_same_state(state, fresh)
+
+
+def test_state_survives_the_checkpoint_files(tmp_path: Path) -> None:
+    state = two_rounds("int8")
+    save_fragment(tmp_path, 0, *state.state())
+    loaded = load_fragment(tmp_path, 0)
+    assert loaded is not None
+    fresh = FragmentState(0, torch.zeros(N), params(codec="int8"))
+    fresh.load(*loaded)
+    assert_same_state(state, fresh)
+
+
+def test_load_without_momentum() -> None:
+    state = FragmentState(0, f32(W0), params(), version=3)
+    fresh = FragmentState(0, torch.zeros(N), params())
+    fresh.load(*state.state())
+    assert fresh.version == 3 and fresh.momentum is None
+    assert torch.equal(fresh.weights, f32(W0))
+
+
+def test_load_refuses_tensors_of_another_size() -> None:
+    other = FragmentState(0, torch.zeros(N - 2), params())
+    fresh = FragmentState(0, torch.zeros(N), params())
+    with pytest.raises(ValueError, match="plan needs"):
+        fresh.load(*other.state())
+    assert fresh.version == 0 and torch.equal(fresh.weights, torch.zeros(N))
+
+
+def test_load_refuses_versions_that_do_not_end_at_the_recorded_one() -> None:
+    tensors, meta = two_rounds("fp32").state()
+    fresh = FragmentState(0, torch.zeros(N), params())
+    with pytest.raises(ValueError, match="do not end at"):
+        fresh.load(tensors, {**meta, "version": 5})
+    with pytest.raises(ValueError, match="do not end at"):
+        fresh.load({"payload": tensors["payload"]}, meta)
+
+
+def test_load_refuses_momentum_of_another_size() -> None:
+    tensors, meta = two_rounds("fp32").state()
+    tensors["momentum"] = torch.zeros(N + 3)
+    fresh = FragmentState(0, torch.zeros(N), params())
+    with pytest.raises(ValueError):
+        fresh.load(tensors, meta)
+
+
+def test_load_under_another_codec_refuses_or_recanonicalises() -> None:
+    tensors, meta = two_rounds("fp32").state()
+    fresh = FragmentState(0, torch.zeros(N), params(codec="int8"))
+    try:
+        fresh.load(tensors, meta)
+    except ValueError:
+        return  # refusing the mismatch is fine
+    assert torch.equal(fresh.codec.decode(fresh.payload, N), fresh.weights)

@@ -1,0 +1,189 @@
+"""Run summaries from a hand-written event stream, checked against hand arithmetic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from compose.report import _intervals, _union_length, load_events, plot_run, summarise
+
+Event = dict[str, Any]
+
+
+def step(t: float, learner: str, incarnation: int, step_: int, tokens: int, rate: float,
+         sent: int, received: int) -> Event:
+    return {"t": t, "event": "step", "learner": learner, "incarnation": incarnation,
+            "step": step_, "tokens": tokens, "steps_per_s": rate, "bytes_sent": sent,
+            "bytes_received": received, "versions": [0, 0], "loss": 3.0}
+
+
+def run_events() -> list[Event]:
+    """Two learners, P = 2 fragments, 100 tokens per step.
+
+    learner-0 trains 1..4, is SIGKILLed at 4, restarts and trains again 5.5..7.5.
+    learner-1 trains 1..3 and is done. Nobody trains between 4 and 5.5.
+    The syncer is killed once, at 5; a shutdown kill at the end does not count.
+    """
+    return [
+        {"t": 0.0, "event": "run_start", "mode": "decoupled", "args": {"fragments": 2}},
+        {"t": 0.2, "event": "process_start", "process": "syncer"},
+        {"t": 0.5, "event": "eval", "loss": 5.5, "merged_tokens": 0, "learner_tokens": 0},
+        {"t": 1.0, "event": "start", "learner": "learner-0", "incarnation": 0, "step": 0},
+        {"t": 1.0, "event": "start", "learner": "learner-1", "incarnation": 0, "step": 0},
+        step(2.0, "learner-0", 0, 10, 1000, 10.0, 100, 50),
+        step(2.0, "learner-1", 0, 10, 1000, 8.0, 90, 40),
+        step(2.5, "learner-1", 0, 20, 2000, 12.0, 180, 80),
+        {"t": 2.6, "event": "round", "fragment": 0, "version": 1, "included": 2,
+         "tokens": 3000, "learners": ["learner-0", "learner-1"],
+         "keys": [["learner-0", 0, 0], ["learner-1", 0, 0]]},
+        {"t": 2.8, "event": "reject", "reason": "stale", "learner": "learner-1", "fragment": 1},
+        {"t": 3.0, "event": "done", "learner": "learner-1", "incarnation": 0, "steps": 25,
+         "tokens": 2500, "bytes_sent": 300, "bytes_received": 120},
+        step(3.0, "learner-0", 0, 20, 2000, 10.0, 200, 100),
+        {"t": 3.2, "event": "round", "fragment": 1, "version": 1, "included": 2,
+         "tokens": 2000, "learners": ["learner-0", "learner-1"],
+         "keys": [["learner-0", 0, 1], ["learner-1", 0, 1]]},
+        {"t": 4.0, "event": "process_kill", "process": "learner-0", "reason": "chaos"},
+        {"t": 4.5, "event": "reject", "reason": "quarantined", "learner": "x", "fragment": 0},
+        {"t": 5.0, "event": "process_kill", "process": "syncer", "reason": "scheduled"},
+        {"t": 5.2, "event": "process_restart", "process": "learner-0"},
+        {"t": 5.3, "event": "process_restart", "process": "syncer"},
+        {"t": 5.5, "event": "start", "learner": "learner-0", "incarnation": 1, "step": 20},
+        step(6.5, "learner-0", 1, 30, 3000, 10.0, 80, 40),
+        {"t": 7.0, "event": "round", "fragment": 0, "version": 2, "included": 1,
+         "tokens": 2500, "learners": ["learner-0"], "keys": [["learner-0", 1, 0]]},
+        {"t": 7.5, "event": "done", "learner": "learner-0", "incarnation": 1, "steps": 40,
+         "tokens": 4000, "bytes_sent": 160, "bytes_received": 90},
+        {"t": 7.6, "event": "process_kill", "process": "learner-1", "reason": "shutdown"},
+        {"t": 7.8, "event": "eval", "loss": 2.25, "merged_tokens": 7500, "learner_tokens": 6500},
+        {"t": 8.0, "event": "run_end"},
+    ]
+
+
+def test_summary_by_hand() -> None:
+    s = summarise(run_events(), mode="decoupled", learners=2, steps=40, quorum=1)
+    assert (s["mode"], s["learners"], s["steps_per_learner"], s["quorum"]) == (
+        "decoupled", 2, 40, 1)
+    # learner-0: max over incarnations (2000 then 4000) = 4000; learner-1: 2500.
+    assert s["tokens_total"] == 6500
+    assert s["wall_s"] == 8.0
+    assert s["initial_eval_loss"] == 5.5 and s["final_eval_loss"] == 2.25
+    assert s["eval_curve"] == [[0, 5.5], [6500, 2.25]]
+    assert s["fragments_published"] == 3
+    assert s["deltas_applied"] == 2 + 2 + 1
+    assert s["deltas_rejected"] == 2
+    # Last cumulative counter of each incarnation, summed:
+    # learner-0 inc 0 (step at 3.0) + learner-0 inc 1 (done) + learner-1 (done).
+    assert s["bytes_up"] == 200 + 160 + 300
+    assert s["bytes_down"] == 100 + 90 + 120
+    assert s["learner_kills"] == 1  # the shutdown kill is not chaos
+    assert s["learner_restarts"] == 1
+    assert s["syncer_kills"] == 1
+    # Training: [1, 4] and [5.5, 7.5] for learner-0, [1, 3] for learner-1.
+    # Union 3 + 2 = 5 over the span 7.5 - 1 = 6.5.
+    assert s["uptime"] == round(5 / 6.5, 4)
+    # Goodput: merged tokens per fragment (3000 + 2000 + 2500) / 2 = 3750, over
+    # undisturbed = median rate x median tokens/step x span, per learner:
+    # learner-0: 10 x 100 x 6.5 = 6500; learner-1: median(8, 12) = 10 x 100 x 2 = 2000.
+    assert s["merged_tokens"] == 3750
+    assert s["goodput"] == round(3750 / 8500, 4)
+    assert s["mean_steps_per_s"] == 10.0
+    assert json.loads(json.dumps(s)) == s  # what summary.json will hold
+
+
+def test_ddp_goodput_counts_trained_tokens() -> None:
+    s = summarise(run_events(), mode="ddp", learners=2, steps=40)
+    assert s["merged_tokens"] == 6500
+    assert s["goodput"] == round(6500 / 8500, 4)
+
+
+def test_goodput_is_capped_at_one() -> None:
+    events = run_events()
+    for e in events:
+        if e["event"] == "round":
+            e["tokens"] *= 10
+    assert summarise(events, mode="decoupled", learners=2, steps=40)["goodput"] == 1.0
+
+
+def test_uptime_is_one_without_a_gap() -> None:
+    """learner-1 trains until 6 this time, covering learner-0's restart gap."""
+    events = run_events()
+    done = next(e for e in events if e["event"] == "done" and e["learner"] == "learner-1")
+    done["t"] = 6.0
+    events.sort(key=lambda e: e["t"])
+    s = summarise(events, mode="decoupled", learners=2, steps=40)
+    assert s["uptime"] == 1.0
+    # learner-1's undisturbed span is now 5 s: 10 x 100 x 5 = 5000.
+    assert s["goodput"] == round(3750 / (6500 + 5000), 4)
+
+
+def test_summary_without_evals_or_run_end() -> None:
+    events = [e for e in run_events() if e["event"] not in ("eval", "run_end")]
+    s = summarise(events, mode="decoupled", learners=2, steps=40)
+    assert s["initial_eval_loss"] is None and s["final_eval_loss"] is None
+    assert s["wall_s"] == 7.6  # the last event stands in for run_end
+    assert s["eval_curve"] == []
+
+
+def test_intervals_close_at_done_kill_or_end() -> None:
+    events: list[Event] = [
+        {"t": 1.0, "event": "start", "learner": "a"},
+        {"t": 2.0, "event": "start", "learner": "b"},
+        {"t": 3.0, "event": "process_kill", "process": "a", "reason": "chaos"},
+        {"t": 3.5, "event": "process_kill", "process": "syncer", "reason": "chaos"},
+        {"t": 4.0, "event": "start", "learner": "a"},
+        {"t": 5.0, "event": "done", "learner": "b"},
+        {"t": 5.5, "event": "done", "learner": "nobody"},
+    ]
+    spans = _intervals(events, end=9.0)
+    assert dict(spans) == {"a": [(1.0, 3.0), (4.0, 9.0)], "b": [(2.0, 5.0)]}
+
+
+def test_intervals_close_at_a_crash() -> None:
+    events: list[Event] = [
+        {"t": 1.0, "event": "start", "learner": "a"},
+        {"t": 3.0, "event": "process_crash", "process": "a", "code": 1},
+        {"t": 4.0, "event": "process_restart", "process": "a"},
+        {"t": 4.0, "event": "start", "learner": "a"},
+        {"t": 5.0, "event": "done", "learner": "a"},
+    ]
+    assert dict(_intervals(events, end=6.0)) == {"a": [(1.0, 3.0), (4.0, 5.0)]}
+
+
+@pytest.mark.parametrize(
+    ("spans", "length"),
+    [
+        ([], 0.0),
+        ([(1.0, 2.0)], 1.0),
+        ([(0.0, 2.0), (1.0, 3.0)], 3.0),  # overlapping
+        ([(0.0, 10.0), (2.0, 3.0)], 10.0),  # nested
+        ([(0.0, 1.0), (1.0, 2.0)], 2.0),  # touching
+        ([(5.0, 6.0), (0.0, 1.0), (5.5, 5.7), (6.0, 7.5)], 3.5),  # unsorted, gap
+    ],
+)
+def test_union_length(spans: list[tuple[float, float]], length: float) -> None:
+    assert _union_length(spans) == pytest.approx(length)
+
+
+def test_load_events_merges_sources_in_time_order(tmp_path: Path) -> None:
+    (tmp_path / "learners").mkdir()
+    (tmp_path / "launcher.jsonl").write_text(
+        json.dumps({"t": 0.0, "event": "run_start"}) + "\n"
+        + json.dumps({"t": 3.0, "event": "run_end"}))
+    (tmp_path / "syncer.jsonl").write_text(json.dumps({"t": 2.0, "event": "round"}) + "\n")
+    (tmp_path / "learners" / "learner-0.jsonl").write_text(
+        json.dumps({"t": 1.0, "event": "step"}) + "\n" + '{"t": 2.5, "ev')  # cut by SIGKILL
+    events = load_events(tmp_path)
+    assert [(e["t"], e["source"]) for e in events] == [
+        (0.0, "launcher"), (1.0, "learner-0"), (2.0, "syncer"), (3.0, "launcher")]
+
+
+def test_plot_run_writes_two_pngs(tmp_path: Path) -> None:
+    written = plot_run(run_events(), tmp_path / "plots")
+    assert sorted(p.name for p in written) == ["loss_vs_tokens.png", "timeline.png"]
+    for p in written:
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
