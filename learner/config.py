@@ -44,6 +44,8 @@ class LearnerConfig:
     overlap: int = 2  # tau: steps between sending a fragment and expecting its global
     codec: str = "int8"
     error_feedback: bool = True  # carry what the codec dropped into the next delta
+    flush_before_overwrite: bool = True  # send unsynced progress before a global replaces it
+    finish_timeout_s: float = 10.0  # at the end, wait this long for the last deltas' acks
     blocking: bool = False  # synchronous DiLoCo: wait for each fragment's new global
     mix_alpha: float = 0.0  # 0: overwrite with the global; else alpha*local + (1-alpha)*global
     # emulation and plumbing
@@ -110,6 +112,7 @@ class LearnerConfig:
             f"shard={self.shard} must be in [0, num_shards={self.num_shards})",
         )
         check_positive("join_timeout_s", self.join_timeout_s)
+        check_positive("finish_timeout_s", self.finish_timeout_s, allow_zero=True)
         require(0 <= self.mix_alpha < 1, f"mix_alpha={self.mix_alpha}: use [0, 1)")
         require(self.slowdown >= 1, f"slowdown={self.slowdown}: use a factor >= 1")
         try:

@@ -245,11 +245,16 @@ class Learner:
         self.c_tokens[p] = 0
         self.metrics.version.labels(str(p)).set(version)
 
-    def _apply_arrived(self) -> int:
+    def _apply_arrived(self, step: int) -> int:
         arrived = self.comm.take_globals() if self.comm else []
         shared = self.group.share_globals(arrived, self.plan)
         for p, version, flat in shared:
             if version > self.base_version.get(p, -1):
+                # A global this learner's latest progress is not in (a round closed
+                # without it) would erase that progress: send it first. The syncer
+                # rebases it onto the new version, so it counts as if sent in time.
+                if self.cfg.flush_before_overwrite and self.c_steps[p] > 2 * self.cfg.overlap:
+                    self._send(p, step)
                 self._apply(p, version, flat, self.cfg.mix_alpha)
                 self.metrics.globals_applied.inc()
         return len(shared)
@@ -332,7 +337,7 @@ class Learner:
             # Decoupled DiLoCo: take what arrived, send what is due, never wait.
             sync_on = not cfg.sync_pause_every or (step // cfg.sync_pause_every) % 2 == 0
             if sync_on:
-                self._apply_arrived()
+                self._apply_arrived(step)
                 for p in self.plan.fragments_due(step):
                     self._send(p, step)
                     if cfg.blocking and self.comm is not None:
@@ -396,7 +401,7 @@ class Learner:
         if self.comm is not None:
             for p in range(self.cfg.fragments):
                 self._send(p, self.cfg.steps)
-            delivered = self.comm.stop(flush_timeout_s=30.0)
+            delivered = self.comm.stop(flush_timeout_s=self.cfg.finish_timeout_s)
         stats = self.transport.stats if self.transport is not None else None
         result = {
             "steps": self.cfg.steps,

@@ -75,8 +75,8 @@ def global_fragment(fragment: int, version: int) -> GlobalFragment:
 class Consumer:
     """tests/transport_consumer.py as a real process that can be SIGKILLed."""
 
-    def __init__(self, bind: str, db: Path) -> None:
-        self.bind, self.db = bind, db
+    def __init__(self, bind: str, db: Path, fragments: str = "0,1,2,3") -> None:
+        self.bind, self.db, self.fragments = bind, db, fragments
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -93,6 +93,8 @@ class Consumer:
                 RUN,
                 "--db",
                 str(self.db),
+                "--fragments",
+                self.fragments,
             ],
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -122,9 +124,10 @@ class Consumer:
         return int(total), int(distinct)
 
 
-def run_learner(bind: str, name: str, n: int, errors: list[BaseException]) -> None:
+def run_learner(bind: str | list[str], name: str, n: int, errors: list[BaseException]) -> None:
     try:
-        t = ZmqLearnerTransport([bind], RUN, name, 1, 4, max_unacked=64, ack_timeout_s=1.0)
+        binds = [bind] if isinstance(bind, str) else bind
+        t = ZmqLearnerTransport(binds, RUN, name, 1, 4, max_unacked=64, ack_timeout_s=1.0)
         try:
             for seq in range(1, n + 1):
                 d = delta(name, seq, seq % 4)
@@ -142,7 +145,7 @@ def run_learner(bind: str, name: str, n: int, errors: list[BaseException]) -> No
 
 
 def send_from_learners(
-    bind: str, learners: int, per_learner: int
+    bind: str | list[str], learners: int, per_learner: int
 ) -> tuple[list[threading.Thread], list[BaseException]]:
     errors: list[BaseException] = []
     threads = [
@@ -322,3 +325,30 @@ def test_bad_frames_are_counted_and_good_deltas_still_arrive() -> None:
         raw.close(0)
         ctx.term()
         syncer.close()
+
+
+@pytest.mark.timeout(240)
+def test_two_syncers_share_fragments_and_one_restarts_with_nothing_lost(tmp_path: Path) -> None:
+    """Fragment p belongs to syncer p % 2; syncer 1 is SIGKILLed twice and resumes."""
+    binds = [endpoint(), endpoint()]
+    even = Consumer(binds[0], tmp_path / "even.sqlite", fragments="0,2")
+    odd = Consumer(binds[1], tmp_path / "odd.sqlite", fragments="1,3")
+    even.start()
+    odd.start()
+    try:
+        threads, errors = send_from_learners(binds, 4, 1000)
+        for target in (600, 1400):
+            wait_until(lambda t=target: odd.counts()[0] >= t, 60, what=f"{target} odd applied")
+            odd.kill()
+            odd.start()
+        for th in threads:
+            th.join(timeout=200)
+        assert not errors, errors
+        assert even.counts() == (2000, 2000) and odd.counts() == (2000, 2000)
+        for consumer, parity in ((even, 0), (odd, 1)):
+            with sqlite3.connect(consumer.db) as db:
+                fragments = {row[0] for row in db.execute("SELECT DISTINCT fragment FROM applied")}
+            assert fragments == {parity, parity + 2}
+    finally:
+        even.stop()
+        odd.stop()
