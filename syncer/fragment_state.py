@@ -53,6 +53,8 @@ class _Contribution:
     grad: torch.Tensor
     weight: float
     c_tokens: int
+    c_steps: int
+    step: int  # the learner's step when it sent the delta
     ref: Any
 
 
@@ -90,6 +92,7 @@ class FragmentState:
         self.history.push(version, weights)
         self.momentum: torch.Tensor | None = None
         self.applied: dict[str, tuple[int, int]] = {}  # newest (incarnation, seq) merged
+        self.merged_step: dict[str, int] = {}  # newest learner step merged (token accounting)
         self.round = Round(params.quorum, params.grace_gamma, params.overlap)
         self._pending: dict[str, _Contribution] = {}
         self._held_refs: list[Any] = []
@@ -135,7 +138,13 @@ class FragmentState:
             # progress (it is measured from a base, not from the last send).
             self._held_refs.append(current.ref)
         self._pending[delta.learner_id] = _Contribution(
-            key, grad, token_step_weight(delta.c_tokens, delta.c_steps), delta.c_tokens, ref
+            key,
+            grad,
+            token_step_weight(delta.c_tokens, delta.c_steps),
+            delta.c_tokens,
+            delta.c_steps,
+            delta.step,
+            ref,
         )
         self.round.add(delta.learner_id, now)
         return ACCEPTED
@@ -186,7 +195,7 @@ class FragmentState:
             self.version,
             self.payload,
             len(contributions),
-            sum(c.c_tokens for c in contributions),
+            self._new_tokens(learners, contributions),
             refs,
             learners,
             [(name, *c.key) for name, c in zip(learners, contributions, strict=True)],
@@ -194,6 +203,20 @@ class FragmentState:
         self._pending = {}
         self._held_refs = []
         return result
+
+    def _new_tokens(self, learners: list[str], contributions: list[_Contribution]) -> int:
+        """Tokens whose updates reach the global model for the first time in this round.
+
+        A delta covers its learner's steps (step - c_steps, step]; a learner may
+        send progress that an earlier merged delta already covered (it flushes
+        before a global overwrites it), so only steps past the last merged one count.
+        """
+        total = 0.0
+        for name, c in zip(learners, contributions, strict=True):
+            covered_from = max(c.step - c.c_steps, self.merged_step.get(name, c.step - c.c_steps))
+            total += max(0, c.step - covered_from) * c.c_tokens / c.c_steps
+            self.merged_step[name] = max(c.step, self.merged_step.get(name, c.step))
+        return round(total)
 
     def round_done(self, sync_s: float) -> None:
         self.round.closed(sync_s)
@@ -210,6 +233,7 @@ class FragmentState:
             "version": self.version,
             "codec": self.codec.name,
             "applied": {k: list(v) for k, v in self.applied.items()},
+            "merged_step": self.merged_step,
         }
         return tensors, meta
 
@@ -236,6 +260,7 @@ class FragmentState:
         self.history = history
         self.momentum = None if momentum is None else momentum.to(torch.float32)
         self.applied = {k: (int(v[0]), int(v[1])) for k, v in meta["applied"].items()}
+        self.merged_step = {k: int(v) for k, v in meta.get("merged_step", {}).items()}
         if meta.get("codec", self.codec.name) == self.codec.name:
             self.payload = tensors["payload"].numpy().tobytes()
         else:

@@ -53,9 +53,10 @@ def params(**over: Any) -> AggregationParams:
 
 
 def delta(learner: str, seq: int, base_version: int, c_tokens: int = 100, c_steps: int = 4,
-          incarnation: int = 0, numel: int = N) -> Delta:
+          incarnation: int = 0, numel: int = N, step: int | None = None) -> Delta:
     return Delta(run_id="r", learner_id=learner, incarnation=incarnation, seq=seq, fragment=0,
-                 base_version=base_version, c_tokens=c_tokens, c_steps=c_steps, numel=numel)
+                 base_version=base_version, c_tokens=c_tokens, c_steps=c_steps, numel=numel,
+                 step=10 * seq if step is None else step)
 
 
 def f32(x: Any) -> torch.Tensor:
@@ -505,3 +506,17 @@ def test_load_under_another_codec_refuses_or_recanonicalises() -> None:
     except ValueError:
         return  # refusing the mismatch is fine
     assert torch.equal(fresh.codec.decode(fresh.payload, N), fresh.weights)
+
+
+def test_tokens_already_merged_are_not_counted_again() -> None:
+    """A learner merged up to step 10 flushes progress covering steps (6, 13]:
+    only steps 11-13 are new, at its 10 tokens per step."""
+    state = FragmentState(0, f32(W0), params(quorum=1))
+    d = np.full(N, 0.01)
+    assert offer(state, delta("a", 1, 0, c_tokens=40, c_steps=4, step=10), d) == ACCEPTED
+    assert state.close().tokens == 40
+    assert offer(state, delta("a", 2, 0, c_tokens=70, c_steps=7, step=13), d) == ACCEPTED
+    assert state.close().tokens == 30
+    # Another learner's first delta counts in full.
+    assert offer(state, delta("b", 1, 1, c_tokens=50, c_steps=5, step=5), d) == ACCEPTED
+    assert state.close().tokens == 50
