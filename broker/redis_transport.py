@@ -26,14 +26,21 @@ Delivery
   pending or not yet delivered to the group, so trimming never eats an entry
   the syncer still needs. The learner's approximate MAXLEN is only a safety
   bound for a syncer that is down for long; an entry it trims while pending is
-  detected (it comes back without fields) and counted as ``trimmed``.
+  detected (it comes back without fields) and counted as ``trimmed``, but one
+  it trims before the group read it is lost unnoticed (redis < 7 keeps no
+  record of it): size ``delta_stream_maxlen`` for the longest syncer outage.
 * Globals reach learners in version order per fragment. A learner that sees a
   gap, a fragment it has no base for, or the globals stream trimmed past its
   read position fetches the latest-snapshot keys instead.
 
-Connection errors never escape: both sides back off exponentially (with
-jitter), reconnect and carry on; deltas and globals not yet written stay queued
-in the process.
+Connection errors (and other transient server errors: loading, OOM, MISCONF)
+never escape: both sides back off exponentially (with jitter), reconnect and
+carry on; deltas and globals not yet written stay queued in the process. The
+exceptions are ``snapshot``, which raises :class:`TransportError` when it gets
+no answer within its timeout, and ``send_delta``, which raises
+:class:`Backpressure` when ``max_unacked`` deltas wait. Invalid messages of our
+own (wrong run, fragment out of range, frame over ``max_message_bytes``) raise
+``ValueError``/``WireError`` at once: they are bugs, not network weather.
 """
 
 from __future__ import annotations
@@ -180,13 +187,19 @@ class _Reconnect:
         if self.failures == 1:
             log.warning("%s: redis unavailable (%s); retrying with backoff", self._what, error)
         else:
-            log.debug("%s: attempt %d failed (%s); next in %.2fs",
-                      self._what, self.failures, error, delay_s)
+            log.debug(
+                "%s: attempt %d failed (%s); next in %.2fs",
+                self._what,
+                self.failures,
+                error,
+                delay_s,
+            )
 
     def succeeded(self) -> None:
         if self.failures:
-            log.info("%s: redis reachable again after %d failed attempts",
-                     self._what, self.failures)
+            log.info(
+                "%s: redis reachable again after %d failed attempts", self._what, self.failures
+            )
         self.failures = 0
         self._retry_at = 0.0
 
@@ -287,8 +300,10 @@ class RedisLearnerTransport(LearnerTransport):
             item = self._queue[0]
             try:
                 self._client.xadd(
-                    item.stream, {FIELD: item.frame},
-                    maxlen=self.delta_stream_maxlen, approximate=True,
+                    item.stream,
+                    {FIELD: item.frame},
+                    maxlen=self.delta_stream_maxlen,
+                    approximate=True,
                 )
             except Exception as e:
                 if not _is_transient(e):
@@ -358,9 +373,14 @@ class RedisLearnerTransport(LearnerTransport):
             return self._resync()
         block_ms = _block_ms(deadline, self._max_block_s)
         streams: dict[KeyT, StreamIdT] = {self._globals: self._position}
-        reply = cast(list[tuple[bytes, _Entries]], self._client.xread(
-            streams, count=_GLOBALS_READ_COUNT, block=block_ms,
-        ))
+        reply = cast(
+            list[tuple[bytes, _Entries]],
+            self._client.xread(
+                streams,
+                count=_GLOBALS_READ_COUNT,
+                block=block_ms,
+            ),
+        )
         if not reply:
             if block_ms is None:
                 _sleep_tail(deadline)
@@ -371,31 +391,42 @@ class RedisLearnerTransport(LearnerTransport):
         # read may have been trimmed: fall back to the snapshot keys.
         first_id = self._stream_end_id(keys=[self._globals], args=["first"])
         if first_id is not None and _parse_id(first_id) > _parse_id(self._position):
-            log.info("learner %s: globals stream trimmed past %s; resyncing from snapshots",
-                     self.learner_id, self._position)
+            log.info(
+                "learner %s: globals stream trimmed past %s; resyncing from snapshots",
+                self.learner_id,
+                self._position,
+            )
+            self.stats.bytes_received += sum(len(f.get(FIELD, b"")) for _, f in entries)
             return self._resync()
-        self._position = _text(entries[-1][0])
         return self._accept_globals(entries)
 
     def _accept_globals(self, entries: _Entries) -> list[GlobalFragment]:
+        """The next versions among ``entries``; snapshots for gaps. Moves the read
+        position and the versions only once nothing can fail any more, so that a
+        connection error reads the same entries again."""
         found: list[GlobalFragment] = []
+        versions = dict(self._versions)
         fetch: list[int] = []  # fragments with a gap or no base: take their snapshot
         for _, fields in entries:
             msg = self._check_global(fields.get(FIELD))
             if msg is None or msg.fragment in fetch:
                 continue
-            known = self._versions.get(msg.fragment)
+            known = versions.get(msg.fragment)
             if known is not None and msg.version <= known:
                 continue
             if known is not None and msg.version == known + 1:
-                self._versions[msg.fragment] = msg.version
+                versions[msg.fragment] = msg.version
                 found.append(msg)
             else:
                 fetch.append(msg.fragment)
         if fetch:
             frames = self._client.mget([model_key(self.run_id, p) for p in fetch])
-            snapshots = self._get_models(fetch, frames)
-            found.extend(g for g in snapshots.values() if self._advance(g))
+            for p, g in self._get_models(fetch, frames).items():
+                if g.version > versions.get(p, -1):
+                    versions[p] = g.version
+                    found.append(g)
+        self._versions = versions
+        self._position = _text(entries[-1][0])
         return found
 
     def _check_global(self, frame: Any) -> GlobalFragment | None:
@@ -480,8 +511,9 @@ class RedisLearnerTransport(LearnerTransport):
 
     def close(self) -> None:
         if self._queue:
-            log.warning("learner %s: closing with %d undelivered deltas",
-                        self.learner_id, len(self._queue))
+            log.warning(
+                "learner %s: closing with %d undelivered deltas", self.learner_id, len(self._queue)
+            )
         self._client.close()
 
 
@@ -536,7 +568,11 @@ class RedisSyncerTransport(SyncerTransport):
         self._reset_pending()
         # Handed to the caller and not acked yet: never hand them out twice.
         self._outstanding: set[tuple[str, str]] = set()
-        self._rejected_unacked: list[tuple[str, str]] = []
+        # Accepted during the current receive(); outstanding once it returns them
+        # (if it fails instead, the PEL re-read delivers them again).
+        self._handing_out: set[tuple[str, str]] = set()
+        # Rejected entries to XACK with the next receive() or ack().
+        self._rejected_unacked: set[tuple[str, str]] = set()
         self._claim_interval_s = min(max(claim_idle_s / 2, 0.1), 5.0)
         self._claim_cursor: dict[str, str] = {}
         self._next_claim_at = 0.0
@@ -579,8 +615,9 @@ class RedisSyncerTransport(SyncerTransport):
                 except Exception as e:
                     if isinstance(e, redis.ResponseError) and str(e).startswith("NOGROUP"):
                         # The streams or the group vanished (e.g. redis lost its data).
-                        log.warning("syncer %s: %s; recreating the consumer group",
-                                    self.consumer, e)
+                        log.warning(
+                            "syncer %s: %s; recreating the consumer group", self.consumer, e
+                        )
                         self._groups_ready = False
                         self._reset_pending()
                     elif _is_transient(e):
@@ -598,9 +635,11 @@ class RedisSyncerTransport(SyncerTransport):
             time.sleep(min(remaining_s, self._reconnect.wait_s()))
 
     def _receive_once(self, deadline: float) -> list[Inbound]:
+        self._handing_out = set()
         if not self._groups_ready:
             self._ensure_groups()
         self._publish_queued()
+        self._xack([])  # the rejected entries of the last call
         self._trim_due()
         items = self._read_heartbeats()
         items += self._claim_abandoned()
@@ -608,14 +647,21 @@ class RedisSyncerTransport(SyncerTransport):
         if not items:
             block_ms = _block_ms(deadline, self._max_block_s)
             streams: dict[KeyT, StreamIdT] = dict.fromkeys(self._fragment_of, ">")
-            reply = cast(list[tuple[bytes, _Entries]], self._client.xreadgroup(
-                self.group, self.consumer, streams, count=_DELTAS_READ_COUNT, block=block_ms,
-            ))
+            reply = cast(
+                list[tuple[bytes, _Entries]],
+                self._client.xreadgroup(
+                    self.group,
+                    self.consumer,
+                    streams,
+                    count=_DELTAS_READ_COUNT,
+                    block=block_ms,
+                ),
+            )
             for stream, entries in reply or []:
                 items += self._accept_deltas(_text(stream), entries)
             if not reply and block_ms is None:
                 _sleep_tail(deadline)
-        self._ack_rejected()
+        self._outstanding |= self._handing_out
         return items
 
     def _read_own_pending(self) -> list[Inbound]:
@@ -625,9 +671,15 @@ class RedisSyncerTransport(SyncerTransport):
         if not todo:
             return []
         streams: dict[KeyT, StreamIdT] = {s: after for s, after in todo.items()}
-        reply = cast(list[tuple[bytes, _Entries]], self._client.xreadgroup(
-            self.group, self.consumer, streams, count=_DELTAS_READ_COUNT,
-        ))
+        reply = cast(
+            list[tuple[bytes, _Entries]],
+            self._client.xreadgroup(
+                self.group,
+                self.consumer,
+                streams,
+                count=_DELTAS_READ_COUNT,
+            ),
+        )
         items: list[Inbound] = []
         replied = {_text(stream): entries for stream, entries in reply or []}
         for stream in todo:
@@ -649,10 +701,17 @@ class RedisSyncerTransport(SyncerTransport):
             cursor = self._claim_cursor.get(stream, "0-0")
             if cursor == "done":
                 continue
-            reply = cast(list[Any], self._client.xautoclaim(
-                stream, self.group, self.consumer, int(self.claim_idle_s * 1000),
-                start_id=cursor, count=_DELTAS_READ_COUNT,
-            ))
+            reply = cast(
+                list[Any],
+                self._client.xautoclaim(
+                    stream,
+                    self.group,
+                    self.consumer,
+                    int(self.claim_idle_s * 1000),
+                    start_id=cursor,
+                    count=_DELTAS_READ_COUNT,
+                ),
+            )
             next_cursor, entries = _text(reply[0]), reply[1]
             deleted = reply[2] if len(reply) > 2 else []  # redis >= 7 drops them from the PEL
             self.stats.rejected["trimmed"] += len(deleted)
@@ -660,10 +719,18 @@ class RedisSyncerTransport(SyncerTransport):
                 # redis < 7 claims an entry that was trimmed while pending but
                 # returns it as nil, without its id: our own PEL re-read finds it.
                 self._pending_after[stream] = "0-0"
-            claimed = [(i, f) for i, f in entries if i is not None]
+            # Our own entries that the caller still holds come back too once idle
+            # for claim_idle_s; they are not handed out again.
+            claimed = [
+                (i, f) for i, f in entries if i is not None and not self._held((stream, _text(i)))
+            ]
             if claimed:
-                log.info("syncer %s: claimed %d abandoned entries of %s",
-                         self.consumer, len(claimed), stream)
+                log.info(
+                    "syncer %s: claimed %d abandoned entries of %s",
+                    self.consumer,
+                    len(claimed),
+                    stream,
+                )
             items += self._accept_deltas(stream, claimed)
             self._claim_cursor[stream] = "done" if next_cursor == "0-0" else next_cursor
         if all(self._claim_cursor.get(s) == "done" for s in self._fragment_of):
@@ -671,15 +738,18 @@ class RedisSyncerTransport(SyncerTransport):
             self._next_claim_at = time.monotonic() + self._claim_interval_s
         return items
 
+    def _held(self, token: tuple[str, str]) -> bool:
+        return token in self._outstanding or token in self._handing_out
+
     def _accept_deltas(self, stream: str, entries: _Entries) -> list[Inbound]:
         items: list[Inbound] = []
         for raw_id, fields in entries:
             token = (stream, _text(raw_id))
-            if token in self._outstanding:
+            if self._held(token):
                 continue
             if not fields:  # trimmed or deleted while pending
                 self.stats.rejected["trimmed"] += 1
-                self._rejected_unacked.append(token)
+                self._rejected_unacked.add(token)
                 continue
             msg = _check_frame(fields.get(FIELD), self.max_message_bytes, self.stats)
             if (
@@ -688,23 +758,20 @@ class RedisSyncerTransport(SyncerTransport):
                 and msg.fragment == self._fragment_of[stream]
             ):
                 self.stats.messages_received += 1
-                self._outstanding.add(token)
+                self._handing_out.add(token)
                 items.append(Inbound(msg, token))
                 continue
             if msg is not None:  # _check_frame counted the others
                 reason = (
-                    "wrong_kind" if not isinstance(msg, Delta)
-                    else "wrong_run" if msg.run_id != self.run_id
+                    "wrong_kind"
+                    if not isinstance(msg, Delta)
+                    else "wrong_run"
+                    if msg.run_id != self.run_id
                     else "wrong_fragment"
                 )
                 self.stats.rejected[reason] += 1
-            self._rejected_unacked.append(token)  # it can never become valid: ack it
+            self._rejected_unacked.add(token)  # it can never become valid: ack it
         return items
-
-    def _ack_rejected(self) -> None:
-        if self._rejected_unacked:
-            self._xack(self._rejected_unacked)
-            self._rejected_unacked = []
 
     def _read_heartbeats(self) -> list[Inbound]:
         """Heartbeats that changed since the last read, at most every 0.25 s."""
@@ -741,8 +808,7 @@ class RedisSyncerTransport(SyncerTransport):
             # and the caller's de-duplication acks them then.
             return
         try:
-            if tokens:
-                self._xack(tokens)
+            self._xack(tokens)
             self._trim_due()
         except Exception as e:
             if not _is_transient(e):
@@ -752,13 +818,18 @@ class RedisSyncerTransport(SyncerTransport):
             self._reconnect.succeeded()
 
     def _xack(self, tokens: list[tuple[str, str]]) -> None:
+        """XACK ``tokens`` and the rejected entries waiting for it."""
+        rejected = list(self._rejected_unacked)
         by_stream: dict[str, list[str]] = {}
-        for stream, entry_id in tokens:
+        for stream, entry_id in tokens + rejected:
             by_stream.setdefault(stream, []).append(entry_id)
+        if not by_stream:
+            return
         pipe = self._client.pipeline(transaction=False)
         for stream, ids in by_stream.items():
             pipe.xack(stream, self.group, *ids)
         pipe.execute()
+        self._rejected_unacked.difference_update(rejected)
         self._trim_waiting.update(by_stream)
 
     def _trim_due(self) -> None:
@@ -774,10 +845,17 @@ class RedisSyncerTransport(SyncerTransport):
         for stream in due:
             pipe.xinfo_groups(stream)
             pipe.xpending(stream, self.group)
-        replies = pipe.execute()
+        replies = pipe.execute(raise_on_error=False)
         trims = self._client.pipeline(transaction=False)
         for i, stream in enumerate(due):
-            bound = self._trim_bound(replies[2 * i], replies[2 * i + 1])
+            groups, pending = replies[2 * i], replies[2 * i + 1]
+            if isinstance(groups, Exception) or isinstance(pending, Exception):
+                # The stream or group vanished; the next read recreates them.
+                log.debug(
+                    "syncer %s: not trimming %s: %s / %s", self.consumer, stream, groups, pending
+                )
+                continue
+            bound = self._trim_bound(groups, pending)
             if bound is not None:
                 trims.xtrim(stream, minid=bound, approximate=False)
         trims.execute()
@@ -827,8 +905,12 @@ class RedisSyncerTransport(SyncerTransport):
         pipe = self._client.pipeline(transaction=True)
         for p, frame in self._unpublished.items():
             pipe.set(model_key(self.run_id, p), frame)
-            pipe.xadd(globals_stream_key(self.run_id), {FIELD: frame},
-                      maxlen=self.globals_maxlen, approximate=False)
+            pipe.xadd(
+                globals_stream_key(self.run_id),
+                {FIELD: frame},
+                maxlen=self.globals_maxlen,
+                approximate=False,
+            )
         pipe.execute()
         for frame in self._unpublished.values():
             self.stats.bytes_sent += 2 * len(frame)  # the frame travels twice: SET and XADD
@@ -842,6 +924,10 @@ class RedisSyncerTransport(SyncerTransport):
             except Exception as e:
                 if not _is_transient(e):
                     raise
-                log.warning("syncer %s: closing with %d unpublished globals (%s)",
-                            self.consumer, len(self._unpublished), e)
+                log.warning(
+                    "syncer %s: closing with %d unpublished globals (%s)",
+                    self.consumer,
+                    len(self._unpublished),
+                    e,
+                )
         self._client.close()
