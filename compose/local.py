@@ -82,6 +82,12 @@ def add_local_args(p: argparse.ArgumentParser) -> None:
         help="SIGKILL the syncer once, this many seconds in (0: never); restarts after --restart-s",
     )
     p.add_argument(
+        "--kill-learner-at-s",
+        type=float,
+        default=0.0,
+        help="SIGKILL learner-0 once, this many seconds in (0: never); restarts after --restart-s",
+    )
+    p.add_argument(
         "--slowdown",
         default="",
         help="per-learner slowdown factors, e.g. 1,1,1.5,2 (default: all 1)",
@@ -223,7 +229,9 @@ class LocalRun:
             raise ValueError(f"--quorum={self.quorum}: use 1..{self.m}")
         if self.mode == "diloco" and self.quorum != self.m:
             raise ValueError("--mode diloco is synchronous: its quorum is M; drop --quorum")
-        if self.mode == "ddp" and (args.chaos_mtbf_s or args.kill_syncer_at_s):
+        if self.mode == "ddp" and (
+            args.chaos_mtbf_s or args.kill_syncer_at_s or args.kill_learner_at_s
+        ):
             raise ValueError("--mode ddp has no fault tolerance to test: drop the chaos options")
         self.port = free_port_pair()
         self.events: list[dict[str, Any]] = []
@@ -375,6 +383,7 @@ class LocalRun:
             proc.start(self.events)
         next_kill = self._next_kill(time.monotonic())
         syncer_kill_at = time.monotonic() + a.kill_syncer_at_s if a.kill_syncer_at_s else None
+        learner_kill_at = time.monotonic() + a.kill_learner_at_s if a.kill_learner_at_s else None
         tails = {
             p.name: JsonlTail(self.out / "learners" / f"{p.name}.jsonl") for p in self.learners
         }
@@ -397,6 +406,10 @@ class LocalRun:
                     if running:
                         self.rng.choice(running).kill(self.events, "chaos")
                     next_kill = self._next_kill(now)
+                if learner_kill_at is not None and now >= learner_kill_at:
+                    if not self.learners[0].done:
+                        self.learners[0].kill(self.events, "scheduled")
+                    learner_kill_at = None
                 if syncer_kill_at is not None and now >= syncer_kill_at and self.syncer:
                     self.syncer.kill(self.events, "scheduled")
                     self.syncer.restart_at = now + a.restart_s

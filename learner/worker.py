@@ -221,6 +221,8 @@ class Learner:
                 got.update(
                     self.transport.snapshot([p for p in wanted if p not in got], timeout_s=2.0)
                 )
+                if len(got) < len(wanted):
+                    time.sleep(0.2)  # the syncer has not published those fragments yet
             for g in got.values():
                 if g.plan_hash != self.plan.plan_hash:
                     raise ValueError(

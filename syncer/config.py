@@ -37,7 +37,7 @@ class SyncerConfig:
     quorum: int = 1  # K
     grace_gamma: float = 0.5
     overlap: int = 2  # tau, in learner steps
-    staleness: int = 2  # S: versions kept per fragment for rebasing
+    staleness: int = 4  # S: versions kept per fragment for rebasing
     heartbeat_timeout_s: float = 10.0
     # outer optimizer
     outer_lr: float = 0.7

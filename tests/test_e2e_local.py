@@ -99,7 +99,10 @@ def test_four_learners_learn(tmp_path: Path, transport: list[str]) -> None:
     assert summary["initial_eval_loss"] > 5.0  # uniform over 256 bytes is ln 256 = 5.55
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 2.0
     assert summary["deltas_applied"] >= 4 and summary["fragments_published"] >= 4
-    assert summary["deltas_rejected"] == 0
+    # Only staleness may refuse a delta in a healthy run, and rarely.
+    reasons = {e["reason"] for e in events if e["event"] == "reject"}
+    assert reasons <= {"stale"}
+    assert summary["deltas_rejected"] <= 0.1 * summary["deltas_applied"]
     assert summary["uptime"] == 1.0 and summary["learner_kills"] == 0
     assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0
     assert max(applied_keys(events).values()) == 1
@@ -111,28 +114,31 @@ def test_four_learners_learn(tmp_path: Path, transport: list[str]) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_killed_learners_restart_and_rejoin_without_stopping_the_others(
+def test_killed_learner_restarts_and_rejoins_without_stopping_the_others(
     tmp_path: Path, transport: list[str]
 ) -> None:
     summary, events = run_local(
-        tmp_path / "run", "--steps", "150", "--chaos-mtbf-s", "5", "--seed", "3", *transport
+        tmp_path / "run", "--steps", "200", "--kill-learner-at-s", "12", *transport
     )
-    assert summary["learner_kills"] >= 1
-    assert summary["learner_restarts"] == summary["learner_kills"]
-    assert summary["uptime"] == 1.0  # someone was always training
+    assert summary["learner_kills"] == 1 and summary["learner_restarts"] == 1
+    assert summary["uptime"] == 1.0  # the others kept training
+    kill = next(e for e in events if e["event"] == "process_kill")
+    others = [
+        e
+        for e in events
+        if e["event"] == "step" and e["learner"] != "learner-0" and e["t"] > kill["t"]
+    ]
+    assert others, "the other learners stopped when learner-0 died"
     done = {e["learner"]: e for e in events if e["event"] == "done"}
     assert sorted(done) == [f"learner-{i}" for i in range(4)]  # every learner finished
-    starts = [e for e in events if e["event"] == "start"]
-    # A restarted learner rejoins from the global model, not from scratch:
-    # its first progress report already carries merged versions.
-    rejoined = [s for s in starts if s["step"] > 0]
-    assert rejoined, "no learner resumed after a kill"
-    first_steps = [
-        next(e for e in events if e["event"] == "step" and e["incarnation"] == s["incarnation"])
-        for s in rejoined
-        if any(e["event"] == "step" and e["incarnation"] == s["incarnation"] for e in events)
-    ]
-    assert any(max(e["versions"]) >= 1 for e in first_steps)
+    # learner-0 came back as a new incarnation that resumed its schedule and
+    # loaded the global model: its first progress report carries merged versions.
+    starts = [e for e in events if e["event"] == "start" and e["learner"] == "learner-0"]
+    assert len(starts) == 2 and starts[1]["step"] > 0
+    first = next(
+        e for e in events if e["event"] == "step" and e["incarnation"] == starts[1]["incarnation"]
+    )
+    assert max(first["versions"]) >= 1
     assert max(applied_keys(events).values()) == 1
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 2.0
 
