@@ -43,8 +43,10 @@ class Round:
 
     The round opens with its first delta, reaches quorum with the K-th
     distinct learner, and closes at once when every live learner has
-    reported, or when the grace window after quorum has passed; never
-    before K learners reported.
+    reported, or when the grace window after quorum has passed. It never
+    closes before K learners reported, unless at least K learners were once
+    known, fewer are live now, and every live one has: a round does not wait
+    for the dead (but does wait for learners that have not started yet).
     """
 
     def __init__(self, quorum: int, gamma: float, tau_steps: float, ema_alpha: float = 0.2) -> None:
@@ -84,11 +86,21 @@ class Round:
             return None
         return self.quorum_at + self.grace_window_s(step_s)
 
-    def should_close(self, now: float, live: Collection[str], step_s: float | None) -> bool:
+    def should_close(
+        self, now: float, live: Collection[str], step_s: float | None, known: int = 0
+    ) -> bool:
+        """``live``: learners heard from recently; ``known``: learners ever heard from."""
+        if self.opened_at is None:
+            return False
+        all_live_reported = all(learner in self.reporters for learner in live)
+        if live and all_live_reported and len(live) < self.quorum <= known:
+            # K learners existed but fewer are alive now, and all of those
+            # reported: waiting for K would stall the fragment until the dead
+            # come back (or forever, at the end of a run).
+            return True
         deadline = self.close_at(step_s)
         if deadline is None:
             return False
-        all_live_reported = all(learner in self.reporters for learner in live)
         return all_live_reported or now >= deadline
 
     def closed(self, sync_s: float) -> None:

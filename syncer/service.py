@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -34,7 +35,14 @@ from learner.fragments import FragmentPlan
 from learner.model import GPT
 from syncer.checkpoint import load_fragment, load_manifest, save_fragment, save_manifest
 from syncer.config import SyncerConfig
-from syncer.fragment_state import ACCEPTED, DUPLICATE, HELD, AggregationParams, FragmentState
+from syncer.fragment_state import (
+    ACCEPTED,
+    DUPLICATE,
+    HELD,
+    AggregationParams,
+    FragmentState,
+    RoundOverflow,
+)
 from syncer.quorum import Ema
 
 log = logging.getLogger(__name__)
@@ -208,7 +216,7 @@ class Syncer:
             self.transport.ack(to_ack)
         live = self.live_learners(now)
         for p, state in self.states.items():
-            if state.should_close(now, live, self.step_s.value):
+            if state.should_close(now, live, self.step_s.value, len(self.last_heartbeat)):
                 self.close_round(p)
         self.metrics.live.set(len(live))
         self.metrics.bytes_in.set(self.transport.stats.bytes_received)
@@ -221,7 +229,9 @@ class Syncer:
         self.last_heartbeat[hb.learner_id] = now
         self.learner_tokens[hb.learner_id] = hb.tokens
         if hb.step_time_s > 0:
-            self.step_s.update(hb.step_time_s)
+            # Capped: one stalled step (or a lying peer) must not stretch every
+            # grace window past the time a dead learner takes to be noticed.
+            self.step_s.update(min(hb.step_time_s, self.cfg.heartbeat_timeout_s))
 
     def _reject(self, reason: str, delta: Delta) -> None:
         self.rejected[reason] += 1
@@ -235,8 +245,6 @@ class Syncer:
         """Offer a delta; True if it can be acknowledged right away."""
         d = item.message
         assert isinstance(d, Delta)
-        # Any delta from a learner also proves it is alive.
-        self.last_heartbeat[d.learner_id] = now
         state = self.states.get(d.fragment)
         if state is None:
             self._reject("not_owned", d)
@@ -247,13 +255,18 @@ class Syncer:
         if d.numel != state.numel:
             self._reject("bad_shape", d)
             return True
-        try:
-            tensor = d.tensor()
-        except WireError as e:
-            self._reject(e.reason, d)
-            return True
-        status = state.offer(d, tensor, item, now)
+        # What the round keeps until it closes: the ack token, not the payload.
+        ref = Inbound(replace(d, payload=b""), item.token)
+        status = state.precheck(d, ref)
+        if status is None:
+            try:
+                tensor = d.tensor()
+            except WireError as e:
+                self._reject(e.reason, d)
+                return True
+            status = state.offer(d, tensor, ref, now)
         if status in (ACCEPTED, HELD):
+            self.last_heartbeat[d.learner_id] = now  # a valid delta also proves liveness
             return False
         if status == DUPLICATE:
             self.duplicates += 1
@@ -268,7 +281,15 @@ class Syncer:
         if state.round.quorum_at is not None and state.round.opened_at is not None:
             quorum_s = state.round.quorum_at - state.round.opened_at
         grace_s = state.round.grace_window_s(self.step_s.value)
-        result = state.close()
+        try:
+            result = state.close()
+        except RoundOverflow as e:
+            log.error("%s: refusing its %d deltas", e, len(e.refs))
+            self.rejected["overflow"] += len(e.refs)
+            self.metrics.deltas_rejected.labels("overflow").inc(len(e.refs))
+            self.transport.ack(e.refs)
+            state.round_done(0.0)
+            return
         tensors, meta = state.state()
         save_fragment(self.checkpoint_dir, p, tensors, meta)  # durable before anything leaves
         self._publish(p)

@@ -14,8 +14,22 @@ from tests.servers import free_port
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ["--model-d-model", "64", "--model-n-layer", "2", "--model-n-head", "2",
-         "--model-seq-len", "64", "--fragments", "2", "--sync-every", "4", "--run-id", "grp"]
+MODEL = [
+    "--model-d-model",
+    "64",
+    "--model-n-layer",
+    "2",
+    "--model-n-head",
+    "2",
+    "--model-seq-len",
+    "64",
+    "--fragments",
+    "2",
+    "--sync-every",
+    "4",
+    "--run-id",
+    "grp",
+]
 
 
 @pytest.mark.timeout(300)
@@ -23,20 +37,56 @@ def test_two_rank_learner_group_trains_through_rank_zero(tmp_path: Path) -> None
     port = free_port_pair()
     endpoint = f"tcp://127.0.0.1:{port}"
     syncer = subprocess.Popen(
-        [sys.executable, "-m", "compose.cli", "syncer", *MODEL, "--zmq-bind", endpoint,
-         "--quorum", "1", "--checkpoint-dir", str(tmp_path / "ck"),
-         "--metrics-file", str(tmp_path / "syncer.jsonl")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "compose.cli",
+            "syncer",
+            *MODEL,
+            "--zmq-bind",
+            endpoint,
+            "--quorum",
+            "1",
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--metrics-file",
+            str(tmp_path / "syncer.jsonl"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
     try:
         assert syncer.stdout is not None
         assert syncer.stdout.readline().strip() == b"ready"
         group = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", str(free_port()), "-m", "compose.cli", "learner", *MODEL,
-             "--zmq-endpoints", endpoint, "--learner-id", "group-0", "--steps", "24",
-             "--metrics-file", str(tmp_path / "group.jsonl"), "--log-every", "4"],
-            cwd=ROOT, capture_output=True, text=True, timeout=240,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                "-m",
+                "compose.cli",
+                "learner",
+                *MODEL,
+                "--zmq-endpoints",
+                endpoint,
+                "--learner-id",
+                "group-0",
+                "--steps",
+                "24",
+                "--metrics-file",
+                str(tmp_path / "group.jsonl"),
+                "--log-every",
+                "4",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
         )
         assert group.returncode == 0, group.stderr[-3000:]

@@ -21,8 +21,9 @@ NAN = float("nan")
         (0.5, 0, 1.0, 0.0, 0.0, 0.0),  # no overlap: no grace
     ],
 )
-def test_grace_formula_by_hand(gamma: float, tau: float, step: float, quorum: float,
-                               sync: float, expected: float) -> None:
+def test_grace_formula_by_hand(
+    gamma: float, tau: float, step: float, quorum: float, sync: float, expected: float
+) -> None:
     assert grace_window_s(gamma, tau, step, quorum, sync) == pytest.approx(expected)
 
 
@@ -150,3 +151,15 @@ def test_invalid_args_raise(kwargs: dict[str, float], match: str) -> None:
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         Round(**args)  # type: ignore[arg-type]
+
+
+def test_does_not_wait_for_dead_learners_but_waits_for_unstarted_ones() -> None:
+    r = Round(quorum=3, gamma=0.5, tau_steps=2)
+    r.add("a", 0.0)
+    r.add("b", 0.1)
+    # Four learners were known, two are alive and both reported: close.
+    assert r.should_close(0.2, live={"a", "b"}, step_s=1.0, known=4)
+    # Only two learners ever existed (the others have not started): wait for K.
+    assert not r.should_close(0.2, live={"a", "b"}, step_s=1.0, known=2)
+    # A live learner has not reported: wait.
+    assert not r.should_close(0.2, live={"a", "c"}, step_s=1.0, known=4)
