@@ -51,6 +51,9 @@ def _socket(
 ) -> zmq.Socket[bytes]:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    # ZMTP heartbeats: notice a silently dead peer (and reconnect) within seconds.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
     # A peer that sends more than this is disconnected by ZeroMQ before the
     # bytes reach us, so one bad client cannot make us allocate without bound.
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + _FRAME_OVERHEAD)
@@ -233,6 +236,7 @@ class ZmqLearnerTransport(LearnerTransport):
         got: dict[int, GlobalFragment] = {}
         deadline = time.monotonic() + timeout_s
         next_request = 0.0
+        retry_s = 0.5  # doubles: on a slow link full answers must not pile up
         # Forget what we knew so the syncer's current version is taken even if
         # it is not newer (a learner may rejoin a syncer that restarted).
         for p in wanted:
@@ -243,7 +247,8 @@ class ZmqLearnerTransport(LearnerTransport):
                 break
             if now >= next_request:
                 self._request_snapshot(sorted(wanted - got.keys()))
-                next_request = now + 0.5
+                next_request = now + retry_s
+                retry_s = min(retry_s * 2, 8.0)
             self._drain(min(0.05, deadline - now))
             self._resend_due()
             for p in list(self._ready):

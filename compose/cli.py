@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         from compose.local import run_local
 
         return run_local(args)
-    except (ValueError, FileNotFoundError, TimeoutError) as e:
+    except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as e:
         print(f"ddiloco {args.command}: {e}", file=sys.stderr)
         return 2
 

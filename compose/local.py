@@ -39,6 +39,7 @@ from rich.table import Table
 from compose.report import load_events, plot_run, summarise
 
 MODES = ("decoupled", "diloco", "ddp")
+MAX_CRASHES = 5  # a process that dies on its own more often than this ends the run
 
 
 def add_local_args(p: argparse.ArgumentParser) -> None:
@@ -161,8 +162,10 @@ class Proc:
     restart_at: float | None = None
     kills: int = 0
     restarts: int = 0
+    crashes: int = 0
 
     def start(self, events: list[dict[str, Any]]) -> None:
+        self.close_files()
         self.log_file = open(self.log_path, "ab")  # noqa: SIM115
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
         self.popen = subprocess.Popen(
@@ -175,6 +178,12 @@ class Proc:
         self.killed_by_us = False
         self.restart_at = None
         events.append({"t": time.time(), "event": "process_start", "process": self.name})
+
+    def close_files(self) -> None:
+        if self.log_file:
+            self.log_file.close()
+        if self.popen and self.popen.stdout:
+            self.popen.stdout.close()
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -451,6 +460,11 @@ class LocalRun:
                     )
                     continue
                 if not proc.killed_by_us:
+                    proc.crashes += 1
+                    if proc.crashes > MAX_CRASHES:
+                        raise RuntimeError(
+                            f"{proc.name} crashed {proc.crashes} times; see {proc.log_path}"
+                        )
                     self.events.append(
                         {
                             "t": time.time(),
@@ -482,8 +496,7 @@ class LocalRun:
             except subprocess.TimeoutExpired:
                 self.syncer.kill(self.events, "shutdown timeout")
         for proc in self.learners + ([self.syncer] if self.syncer else []):
-            if proc.log_file:
-                proc.log_file.close()
+            proc.close_files()
 
     def _report(self, started: float) -> dict[str, Any]:
         launcher_events = self.out / "launcher.jsonl"

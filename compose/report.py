@@ -52,13 +52,13 @@ def load_events(out: Path) -> list[dict[str, Any]]:
 
 
 def _intervals(events: list[dict[str, Any]], end: float) -> dict[str, list[tuple[float, float]]]:
-    """When each learner was training: from its 'start' to its 'done' or its kill."""
+    """When each learner was training: from its 'start' to its 'train_end', kill or crash."""
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
     open_since: dict[str, float] = {}
     for e in events:
         if e["event"] == "start" and "learner" in e:
             open_since[e["learner"]] = e["t"]
-        elif e["event"] == "done" and e.get("learner") in open_since:
+        elif e["event"] == "train_end" and e.get("learner") in open_since:
             spans[e["learner"]].append((open_since.pop(e["learner"]), e["t"]))
         elif e["event"] in ("process_kill", "process_crash") and e.get("process") in open_since:
             spans[e["process"]].append((open_since.pop(e["process"]), e["t"]))
@@ -125,7 +125,7 @@ def summarise(
         rate = statistics.median(rates[name]) if rates[name] else 0.0
         undisturbed += rate * tps * (finish - first)
     useful = float(tokens_total) if mode == "ddp" else sum(e["tokens"] for e in rounds) / fragments
-    goodput = min(1.0, useful / undisturbed) if undisturbed > 0 else 0.0
+    goodput = useful / undisturbed if undisturbed > 0 else 0.0
 
     kills = [e for e in events if e["event"] == "process_kill" and e.get("reason") != "shutdown"]
     restarts = [e for e in events if e["event"] == "process_restart"]

@@ -76,6 +76,7 @@ class CommThread(threading.Thread):
         self._residual: dict[int, torch.Tensor] = {}
         self._stopping = threading.Event()
         self.dropped = 0
+        self._encoding = 0
         self.error: BaseException | None = None
 
     # -- called from the training thread -----------------------------------
@@ -100,7 +101,10 @@ class CommThread(threading.Thread):
 
     @property
     def pending(self) -> int:
-        return self._outbox.qsize() + len(self._backlog) + self.transport.unacked
+        # _encoding covers the moment a delta is neither queued nor handed over.
+        return (
+            self._outbox.qsize() + self._encoding + len(self._backlog) + self.transport.unacked
+        )
 
     def stop(self, flush_timeout_s: float) -> bool:
         """Deliver what is queued (up to the timeout), then stop. True if all was delivered."""
@@ -133,10 +137,13 @@ class CommThread(threading.Thread):
 
     def _pump(self) -> None:
         while len(self._backlog) < self._outbox.maxsize:
+            self._encoding = 1  # set before taking, so pending never reads 0 in between
             try:
                 self._backlog.append(self._encode(self._outbox.get_nowait()))
             except queue.Empty:
                 break
+            finally:
+                self._encoding = 0
         while self._backlog:
             try:
                 self.transport.send_delta(self._backlog[0])

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from collections import Counter as Tally
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -22,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from broker.codecs import Codec
 from broker.transport import LearnerTransport
-from broker.wire import Delta, GlobalFragment, Heartbeat
+from broker.wire import Delta, GlobalFragment, Heartbeat, WireError
 from learner.comm import CommThread, OutgoingDelta, connect_learner
 from learner.config import LearnerConfig
 from learner.data import BatchSampler, eval_batches, evaluate, load_corpus
@@ -56,25 +57,22 @@ class _Group:
         return self.rank == 0
 
     def share_globals(
-        self, arrived: list[GlobalFragment], plan: FragmentPlan
+        self, arrived: list[tuple[int, int, torch.Tensor]], plan: FragmentPlan
     ) -> list[tuple[int, int, torch.Tensor]]:
         """(fragment, version, weights) that every rank applies this step."""
         if self.world == 1:
-            return [(g.fragment, g.version, g.tensor()) for g in arrived]
+            return arrived
         header = torch.full((plan.num_fragments,), -1, dtype=torch.int64)
         if self.leader:
-            for g in arrived:
-                header[g.fragment] = g.version
+            for p, version, _ in arrived:
+                header[p] = version
         dist.broadcast(header, 0)
+        by_fragment = {p: flat for p, _, flat in arrived}
         out = []
         for p in range(plan.num_fragments):
             if header[p] < 0:
                 continue
-            flat = (
-                next(g.tensor() for g in arrived if g.fragment == p)
-                if self.leader
-                else (torch.empty(plan.fragment_numel(p)))
-            )
+            flat = by_fragment[p] if self.leader else torch.empty(plan.fragment_numel(p))
             dist.broadcast(flat, 0)
             out.append((p, int(header[p]), flat))
         return out
@@ -130,13 +128,17 @@ class Learner:
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         self.group = _Group()
-        self.incarnation = time.time_ns()
         self.syncing = cfg.transport != "none"
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and in every mode
         self.model = GPT(cfg.model)
         self.plan = FragmentPlan.for_model(self.model, cfg.fragments, cfg.sync_every)
         self.params = dict(self.model.named_parameters())
-        self.start_step, start_tokens = self._load_progress()
+        self.start_step, start_tokens, last_incarnation = self._load_progress()
+        # Strictly newer than any earlier incarnation even if the clock stepped
+        # back: the syncer would take a lower one for a replay.
+        self.incarnation = max(time.time_ns(), last_incarnation + 1)
+        if cfg.blocking and self.group.world > 1:
+            raise ValueError("blocking (synchronous DiLoCo) learners cannot run under torchrun")
         corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
         self.eval_set = eval_batches(corpus.val, cfg.model.seq_len, 16, 8)
         shard = cfg.shard * self.group.world + self.group.rank
@@ -157,6 +159,8 @@ class Learner:
         self.c_steps = [0] * cfg.fragments
         self.c_tokens = [0] * cfg.fragments
         self.seq = 0
+        self.last_sent_step: dict[int, int] = {}
+        self.globals_rejected: Tally[str] = Tally()
         self.tokens = start_tokens
         self.phase_time = {True: 0.0, False: 0.0}  # seconds spent in steps with sync on / off
         self.phase_steps = {True: 0, False: 0}
@@ -176,18 +180,19 @@ class Learner:
             Path(self.cfg.state_dir) / f"{self.cfg.learner_id}.json" if self.cfg.state_dir else None
         )
 
-    def _load_progress(self) -> tuple[int, int]:
-        """(step, tokens) reached by an earlier incarnation of this learner."""
+    def _load_progress(self) -> tuple[int, int, int]:
+        """(step, tokens, incarnation) of this learner's previous incarnation."""
         path = self._progress_path()
         if path is None or not path.exists():
-            return 0, 0
+            return 0, 0, 0
         saved = json.loads(path.read_text())
-        return int(saved["step"]), int(saved["tokens"])
+        return int(saved["step"]), int(saved["tokens"]), int(saved.get("incarnation", 0))
 
     def _save_progress(self, step: int) -> None:
         path = self._progress_path()
         if path is not None and self.group.leader:
-            atomic_write(path, json.dumps({"step": step, "tokens": self.tokens}).encode())
+            progress = {"step": step, "tokens": self.tokens, "incarnation": self.incarnation}
+            atomic_write(path, json.dumps(progress).encode())
 
     def event(self, kind: str, **fields: Any) -> None:
         if self._events is not None:
@@ -207,7 +212,7 @@ class Learner:
     # -- globals ------------------------------------------------------------------
     def join(self) -> None:
         """Load every fragment of the current global model before training."""
-        arrived: list[GlobalFragment] = []
+        arrived: list[tuple[int, int, torch.Tensor] | None] = []
         if self.transport is not None:
             deadline = time.monotonic() + self.cfg.join_timeout_s
             wanted = list(range(self.cfg.fragments))
@@ -229,8 +234,11 @@ class Learner:
                         f"the syncer's model plan {g.plan_hash} differs from this learner's "
                         f"{self.plan.plan_hash}: use the same model, --fragments and --sync-every"
                     )
-            arrived = list(got.values())
-        for p, version, flat in self.group.share_globals(arrived, self.plan):
+            arrived = [self._decode_global(g) for g in got.values()]
+            if any(a is None for a in arrived):
+                raise ValueError("the syncer's snapshot does not decode; see the log")
+        ready = [a for a in arrived if a is not None]
+        for p, version, flat in self.group.share_globals(ready, self.plan):
             self._apply(p, version, flat, mix_alpha=0.0)
 
     def _apply(self, p: int, version: int, flat: torch.Tensor, mix_alpha: float) -> None:
@@ -247,15 +255,36 @@ class Learner:
         self.c_tokens[p] = 0
         self.metrics.version.labels(str(p)).set(version)
 
+    def _decode_global(self, g: GlobalFragment) -> tuple[int, int, torch.Tensor] | None:
+        """Validate a global against this learner's plan; None (and counted) if bad."""
+        reason = None
+        if g.plan_hash != self.plan.plan_hash:
+            reason = "wrong_plan"
+        elif g.fragment >= self.cfg.fragments or g.numel != self.plan.fragment_numel(g.fragment):
+            reason = "bad_shape"
+        else:
+            try:
+                flat = g.tensor()
+            except WireError as e:
+                reason = e.reason
+            else:
+                if torch.isfinite(flat).all():
+                    return g.fragment, g.version, flat
+                reason = "non_finite"
+        self.globals_rejected[reason] += 1
+        log.warning("refused global %d v%d: %s", g.fragment, g.version, reason)
+        return None
+
     def _apply_arrived(self, step: int) -> int:
-        arrived = self.comm.take_globals() if self.comm else []
-        shared = self.group.share_globals(arrived, self.plan)
+        arrived = [self._decode_global(g) for g in self.comm.take_globals()] if self.comm else []
+        shared = self.group.share_globals([a for a in arrived if a is not None], self.plan)
         for p, version, flat in shared:
             if version > self.base_version.get(p, -1):
-                # A global this learner's latest progress is not in (a round closed
-                # without it) would erase that progress: send it first. The syncer
-                # rebases it onto the new version, so it counts as if sent in time.
-                if self.cfg.flush_before_overwrite and self.c_steps[p] > 2 * self.cfg.overlap:
+                # A round closed without this learner's latest progress on p, and
+                # overwriting would erase it: send it first. The syncer rebases
+                # it onto the new version, so it counts as if sent in time.
+                unsent = min(self.c_steps[p], step - self.last_sent_step.get(p, -(10**9)))
+                if self.cfg.flush_before_overwrite and unsent > 2 * self.cfg.overlap:
                     self._send(p, step)
                 self._apply(p, version, flat, self.cfg.mix_alpha)
                 self.metrics.globals_applied.inc()
@@ -265,6 +294,7 @@ class Learner:
         if self.c_steps[p] == 0 or not self.group.leader or self.comm is None:
             return
         self.seq += 1
+        self.last_sent_step[p] = step
         delta = self.base[p] - self.plan.flatten(self.params, p)
         meta = Delta(
             run_id=self.cfg.run_id,
@@ -288,8 +318,9 @@ class Learner:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for g in self.comm.take_globals():
-                if g.version > self.base_version.get(g.fragment, -1):
-                    self._apply(g.fragment, g.version, g.tensor(), self.cfg.mix_alpha)
+                decoded = self._decode_global(g)
+                if decoded is not None and decoded[1] > self.base_version.get(decoded[0], -1):
+                    self._apply(*decoded, mix_alpha=self.cfg.mix_alpha)
             if self.c_steps[p] == 0:
                 return
             time.sleep(0.002)
@@ -313,6 +344,7 @@ class Learner:
             self.comm = CommThread(self.transport, Codec.parse(cfg.codec), cfg.error_feedback)
             self.comm.start()
         self.event("start", step=self.start_step)
+        self._save_progress(self.start_step)
         log.info("learner %s starts at step %d of %d", cfg.learner_id, self.start_step, cfg.steps)
         window_start, window_steps = time.perf_counter(), 0
         loss_value = float("nan")
@@ -390,6 +422,7 @@ class Learner:
                 window_start, window_steps = time.perf_counter(), 0
             if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
                 self._evaluate(step)
+        self.event("train_end", step=cfg.steps)
         self._evaluate(cfg.steps)
         return self.finish(loss_value)
 
@@ -415,11 +448,13 @@ class Learner:
             "dropped": self.comm.dropped if self.comm else 0,
             "ranks": self.group.world,
             "ranks_consistent": self.group.consistent(self.model),
+            "globals_rejected": dict(self.globals_rejected),
             "steps_per_s_sync_on": self._rate(True),
             "steps_per_s_sync_off": self._rate(False),
         }
         self.event("done", **result)
-        if self.transport is not None:
+        # Never close sockets under a comm thread that still uses them.
+        if self.transport is not None and (self.comm is None or not self.comm.is_alive()):
             self.transport.close()
         self.group.close()
         if self._events is not None:
