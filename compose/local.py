@@ -52,7 +52,7 @@ def add_local_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--fragments", type=int, default=4, help="P fragments")
     p.add_argument(
-        "--sync-every", type=int, default=24, help="H inner steps between syncs of a fragment"
+        "--sync-every", type=int, default=12, help="H inner steps between syncs of a fragment"
     )
     p.add_argument("--overlap", type=int, default=2, help="tau: steps a fragment's sync may take")
     p.add_argument(

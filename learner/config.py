@@ -40,7 +40,7 @@ class LearnerConfig:
     grad_clip: float = 1.0
     # outer loop
     fragments: int = 4  # P
-    sync_every: int = 24  # H, a multiple of P
+    sync_every: int = 12  # H, a multiple of P (chosen by measurement: benchmarks/README.md)
     overlap: int = 2  # tau: steps between sending a fragment and expecting its global
     codec: str = "int8"
     error_feedback: bool = True  # carry what the codec dropped into the next delta

@@ -31,7 +31,7 @@ class SyncerConfig:
     # model (must match the learners': the fragment plan hash is checked)
     model: ModelConfig = field(default_factory=ModelConfig)
     fragments: int = 4
-    sync_every: int = 24
+    sync_every: int = 12
     seed: int = 0
     # rounds
     quorum: int = 1  # K
