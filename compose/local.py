@@ -71,7 +71,8 @@ def add_local_args(p: argparse.ArgumentParser) -> None:
         "--chaos-mtbf-s",
         type=float,
         default=0.0,
-        help="mean seconds between learner SIGKILLs (Poisson); 0: off",
+        help="mean seconds between learner SIGKILLs while all M run (each learner fails "
+        "independently, Poisson); 0: off",
     )
     p.add_argument(
         "--restart-s", type=float, default=5.0, help="delay before a killed process restarts"
@@ -411,9 +412,11 @@ class LocalRun:
                 now = time.monotonic()
                 self._supervise(now)
                 if next_kill is not None and now >= next_kill:
-                    running = [p for p in self.learners if p.alive() and not p.done]
-                    if running:
-                        self.rng.choice(running).kill(self.events, "chaos")
+                    # Learners fail independently: pick any of the M; a learner
+                    # that is finished or already down does not fail again.
+                    victim = self.rng.choice(self.learners)
+                    if victim.alive() and not victim.done:
+                        victim.kill(self.events, "chaos")
                     next_kill = self._next_kill(now)
                 if learner_kill_at is not None and now >= learner_kill_at:
                     if not self.learners[0].done:
