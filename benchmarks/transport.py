@@ -6,7 +6,8 @@ One learner process sends fp32 deltas of each size; one syncer process
 receives and acknowledges each (as a syncer does after its update is durable,
 minus the update). Measured from the first send to the last acknowledgement,
 so it is end-to-end delivered throughput, not socket write speed. Redis is a
-private server started for the run (AOF everysec) unless --redis-url is given.
+private server started for the run (AOF with appendfsync always, so every
+acknowledged delta is on disk) unless --redis-url is given.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from broker.wire import Delta
 
 RUN = "bench"
 PLAN = "0123456789abcdef"
+INCARNATION = 1
 
 
 def _syncer(backend: str, where: str, ready: Any, stop: Any) -> None:
@@ -53,7 +55,7 @@ def _learner(backend: str, where: str) -> LearnerTransport:
         from broker.zmq_transport import ZmqLearnerTransport
 
         return ZmqLearnerTransport(
-            [where], RUN, "bench-learner", time.time_ns(), 1, max_unacked=16, ack_timeout_s=30
+            [where], RUN, "bench-learner", INCARNATION, 1, max_unacked=16, ack_timeout_s=30
         )
     from broker.redis_transport import RedisLearnerTransport
 
@@ -72,15 +74,17 @@ def measure(backend: str, where: str, size_bytes: int, count: int) -> dict[str, 
     payload = np.random.default_rng(0).standard_normal(numel, dtype=np.float32).tobytes()
     try:
         # Warm up (connections, first allocations), then time.
+        seq = 0
         for warm in (True, False):
             n = 2 if warm else count
             start = time.perf_counter()
-            for seq in range(n):
+            for _ in range(n):
+                seq += 1
                 delta = Delta(
                     run_id=RUN,
                     learner_id="bench-learner",
-                    incarnation=1 + warm,
-                    seq=seq + 1,
+                    incarnation=INCARNATION,
+                    seq=seq,
                     fragment=0,
                     plan_hash=PLAN,
                     base_version=0,
