@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from compose.report import load_events, plot_run, summarise
+from compose.report import SUMMARY_KEYS, load_events, plot_run, summarise
 
 MODES = ("decoupled", "diloco", "ddp")
 MAX_CRASHES = 5  # a process that dies on its own more often than this ends the run
@@ -586,24 +586,7 @@ def run_local(args: argparse.Namespace) -> int:
     summary = run.run()
     console = Console()
     console.print(f"[bold]run folder[/bold] {run.out}")
-    keys = (
-        "learners",
-        "steps_per_learner",
-        "tokens_total",
-        "wall_s",
-        "initial_eval_loss",
-        "final_eval_loss",
-        "fragments_published",
-        "deltas_applied",
-        "deltas_rejected",
-        "bytes_up",
-        "bytes_down",
-        "learner_kills",
-        "learner_restarts",
-        "goodput",
-        "uptime",
-    )
-    for k in keys:
+    for k in SUMMARY_KEYS:
         v = summary.get(k)
         console.print(f"  {k:20s} {v:.4g}" if isinstance(v, float) else f"  {k:20s} {v}")
     return 0
