@@ -58,6 +58,9 @@ def add_local_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--codec", default="int8", help="delta codec: fp32, bf16, int8, int4 [+zstd|+lz4]"
     )
+    p.add_argument(
+        "--downlink-codec", default="fp32", help="codec of the published globals (syncer --codec)"
+    )
     p.add_argument("--transport", choices=("zmq", "redis"), default="zmq")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--steps", type=int, default=300, help="inner steps per learner")
@@ -310,6 +313,7 @@ class LocalRun:
             "--heartbeat-timeout-s",
             "5",
         ]
+        args += ["--codec", a.downlink_codec]
         if self.mode == "diloco":
             args += ["--grace-gamma", "0"]
         if a.outer_lr is not None:
