@@ -24,6 +24,7 @@ Delivery contract
 from __future__ import annotations
 
 import abc
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,8 +91,6 @@ class LearnerTransport(abc.ABC):
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every delta is delivered; True if none is left."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         while self.unacked and time.monotonic() < deadline:
             self.poll(min(0.05, max(0.0, deadline - time.monotonic())))

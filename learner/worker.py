@@ -275,7 +275,7 @@ class Learner:
         log.warning("refused global %d v%d: %s", g.fragment, g.version, reason)
         return None
 
-    def _apply_arrived(self, step: int) -> int:
+    def _apply_arrived(self, step: int) -> None:
         arrived = [self._decode_global(g) for g in self.comm.take_globals()] if self.comm else []
         shared = self.group.share_globals([a for a in arrived if a is not None], self.plan)
         for p, version, flat in shared:
@@ -288,7 +288,6 @@ class Learner:
                     self._send(p, step)
                 self._apply(p, version, flat, self.cfg.mix_alpha)
                 self.metrics.globals_applied.inc()
-        return len(shared)
 
     def _send(self, p: int, step: int) -> None:
         if self.c_steps[p] == 0 or not self.group.leader or self.comm is None:
