@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from compose.cli_config import add_dataclass_args, dataclass_from_args
@@ -48,7 +49,17 @@ def main(argv: list[str] | None = None) -> int:
             from learner.worker import Learner
 
             result = Learner(dataclass_from_args(LearnerConfig, args)).run()
-            print(json.dumps(result), flush=True)
+            # One write per line: the ranks of a torchrun group share stdout.
+            sys.stdout.write(json.dumps(result) + "\n")
+            sys.stdout.flush()
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                # Everything is done and flushed. Skip interpreter teardown: under
+                # load, torch's gloo threads can abort it ("terminate called
+                # without an active exception") and turn a finished rank's exit
+                # code into SIGABRT, which makes torchrun fail the whole group.
+                sys.stderr.flush()
+                logging.shutdown()
+                os._exit(0)
             return 0
         if args.command == "syncer":
             from syncer.service import run_syncer

@@ -97,6 +97,9 @@ class _Group:
 
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
+            # Tear down together: a rank that destroys its group while a peer's
+            # gloo threads still talk to it can abort ("terminate called ...").
+            dist.barrier()
             dist.destroy_process_group()
 
 
