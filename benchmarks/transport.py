@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from broker.transport import Backpressure, LearnerTransport, SyncerTransport
+from broker.codecs import Codec
+from broker.connect import connect_learner, connect_syncer
+from broker.transport import Backpressure
 from broker.wire import Delta
 
 RUN = "bench"
@@ -32,16 +34,8 @@ PLAN = "0123456789abcdef"
 INCARNATION = 1
 
 
-def _syncer(backend: str, where: str, ready: Any, stop: Any) -> None:
-    transport: SyncerTransport
-    if backend == "zmq":
-        from broker.zmq_transport import ZmqSyncerTransport
-
-        transport = ZmqSyncerTransport(where, RUN, [0])
-    else:
-        from broker.redis_transport import RedisSyncerTransport
-
-        transport = RedisSyncerTransport(where, RUN, consumer="bench", fragments=[0])
+def _syncer(url: str, ready: Any, stop: Any) -> None:
+    transport = connect_syncer(url, run_id=RUN, syncer_id="bench", fragments=[0])
     ready.set()
     while not stop.is_set():
         items = transport.receive(0.05)
@@ -50,26 +44,22 @@ def _syncer(backend: str, where: str, ready: Any, stop: Any) -> None:
     transport.close()
 
 
-def _learner(backend: str, where: str) -> LearnerTransport:
-    if backend == "zmq":
-        from broker.zmq_transport import ZmqLearnerTransport
-
-        return ZmqLearnerTransport(
-            [where], RUN, "bench-learner", INCARNATION, 1, max_unacked=16, ack_timeout_s=30
-        )
-    from broker.redis_transport import RedisLearnerTransport
-
-    return RedisLearnerTransport(where, RUN, "bench-learner", 1, max_unacked=16)
-
-
-def measure(backend: str, where: str, size_bytes: int, count: int) -> dict[str, Any]:
+def measure(backend: str, url: str, size_bytes: int, count: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_syncer, args=(backend, where, ready, stop), daemon=True)
+    proc = ctx.Process(target=_syncer, args=(url, ready, stop), daemon=True)
     proc.start()
     if not ready.wait(60):
         raise RuntimeError("syncer side did not start")
-    learner = _learner(backend, where)
+    # A deep window and a long ack timeout: measure throughput, not resends.
+    sep = "&" if "?" in url else "?"
+    learner = connect_learner(
+        f"{url}{sep}max_unacked=16&ack_timeout_s=30",
+        run_id=RUN,
+        learner_id="bench-learner",
+        incarnation=INCARNATION,
+        num_fragments=1,
+    )
     numel = size_bytes // 4
     payload = np.random.default_rng(0).standard_normal(numel, dtype=np.float32).tobytes()
     try:
@@ -92,7 +82,7 @@ def measure(backend: str, where: str, size_bytes: int, count: int) -> dict[str, 
                     c_steps=1,
                     c_tokens=1,
                     sent_at=time.time(),
-                    codec="fp32",
+                    codec=Codec("fp32"),
                     numel=numel,
                     payload=payload,
                 )
@@ -140,21 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for backend in args.backends.split(","):
             if backend == "redis" and args.redis_url:
-                where = args.redis_url
+                url = args.redis_url
             elif backend == "redis":
                 from tests.servers import RedisServer
 
                 server = RedisServer(Path(tempfile.mkdtemp(prefix="ddiloco-bench-")))
                 server.start()
-                where = server.url
+                url = server.url
             else:
-                from compose.local import free_port_pair
+                from compose.processes import free_port_pair
 
-                where = f"tcp://127.0.0.1:{free_port_pair()}"
+                url = f"zmq://127.0.0.1:{free_port_pair()}"
             for mb in (float(x) for x in args.sizes_mb.split(",")):
                 size = int(mb * 1024 * 1024)
                 count = max(8, int(args.bytes_per_size // size))
-                r = measure(backend, where, size, count)
+                r = measure(backend, url, size, count)
                 print(json.dumps(r), flush=True)
                 results.append(r)
     finally:

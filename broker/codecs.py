@@ -70,6 +70,9 @@ class Codec:
             s += f"@{self.block_size}"
         return s
 
+    def __str__(self) -> str:
+        return self.name
+
     # -- sizes -----------------------------------------------------------
     def quantised_size(self, numel: int) -> int:
         """Exact byte size of the payload before the lossless stage."""

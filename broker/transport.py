@@ -1,6 +1,7 @@
 """The one transport interface that learner and syncer code talk to.
 
-Two backends implement it (:mod:`broker.zmq_transport`, :mod:`broker.redis_transport`);
+Two backends implement it: :mod:`broker.zmq_transport`, and Redis Streams
+(:mod:`broker.redis_learner`, :mod:`broker.redis_syncer`, :mod:`broker.redis_common`).
 :func:`connect_learner` and :func:`connect_syncer` pick one from a config and
 nothing else in the code base asks which one it got.
 

@@ -74,10 +74,8 @@ def _check_uint_list(name: str, v: Any) -> None:
 
 
 def _check_codec(name: str, v: Any) -> None:
-    try:
-        Codec.parse(v)
-    except CodecError as e:
-        raise WireError("bad_codec", str(e)) from None
+    if not isinstance(v, Codec):  # __post_init__ parsed the name; this is a wrong type
+        raise WireError("bad_codec", f"{name} must be a codec")
 
 
 _CHECKS = {
@@ -115,15 +113,24 @@ class Message:
 
 @dataclass(frozen=True)
 class _TensorMessage(Message):
-    codec: str = "fp32"
+    # On the wire the codec travels as its name; in memory it is parsed once,
+    # here, and every later size check and decode uses the parsed object.
+    codec: Codec = Codec()
     numel: int = 0
     payload: bytes = field(default=b"", repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.codec, str):
+            try:
+                object.__setattr__(self, "codec", Codec.parse(self.codec))
+            except CodecError as e:
+                raise WireError("bad_codec", str(e)) from None
 
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.payload, (bytes, bytearray, memoryview)):
             raise WireError("bad_field", "payload must be bytes")
-        codec = Codec.parse(self.codec)
+        codec = self.codec
         expected = codec.quantised_size(self.numel)
         if expected > DEFAULT_MAX_PAYLOAD_BYTES:
             raise WireError("too_large", f"{self.numel} values decode past the payload limit")
@@ -135,7 +142,7 @@ class _TensorMessage(Message):
     def tensor(self) -> Any:
         """Decode the payload to a flat fp32 tensor."""
         try:
-            return Codec.parse(self.codec).decode(bytes(self.payload), self.numel)
+            return self.codec.decode(bytes(self.payload), self.numel)
         except CodecError as e:
             raise WireError("bad_payload", str(e)) from None
 
@@ -216,6 +223,8 @@ def encode(msg: Message, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> 
     for f in fields(msg):
         if f.name == "payload":
             payload = bytes(getattr(msg, "payload"))  # noqa: B009 (only tensor messages have it)
+        elif f.name == "codec":
+            header["codec"] = getattr(msg, "codec").name  # noqa: B009
         else:
             header[f.name] = getattr(msg, f.name)
     head = msgpack.packb(header, use_bin_type=True)
@@ -280,10 +289,15 @@ def decode(
         kwargs["payload"] = bytes(view[head_start + head_len : total - _CRC.size])
     elif payload_len:
         raise WireError("bad_header", f"{cls.KIND} carries no payload")
-    msg = cls(**kwargs)
+    try:
+        msg = cls(**kwargs)
+    except WireError:
+        raise
+    except Exception as e:  # a codec name that is not a string, say
+        raise WireError("bad_codec", f"{type(e).__name__}: {e}") from None
     msg.validate()
     if isinstance(msg, _TensorMessage):
-        decoded = Codec.parse(msg.codec).quantised_size(msg.numel)
+        decoded = msg.codec.quantised_size(msg.numel)
         if decoded > max_payload_bytes:
             raise WireError(
                 "too_large", f"payload decodes to {decoded} > {max_payload_bytes} bytes"

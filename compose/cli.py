@@ -1,8 +1,14 @@
 """``ddiloco``: one command for every service.
 
-ddiloco local    the main job: a syncer and M learners on this machine
-ddiloco learner  one learner (what a container or a remote host runs)
-ddiloco syncer   one syncer
+ddiloco local      the main job: init, a syncer, M learners and an evaluator on this machine
+ddiloco init       write the initial global model and its fragment plan (the syncer's start)
+ddiloco syncer     one syncer
+ddiloco learner    one learner (what a container or a remote host runs)
+ddiloco evaluator  follow the global model and report its held-out loss
+
+Every setting is a flag and a DDILOCO_* environment variable; settings that
+several commands share (``--fragments``, ``--url``, ...) have the same flag,
+variable and default in all of them.
 """
 
 from __future__ import annotations
@@ -11,11 +17,19 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 from compose.cli_config import add_dataclass_args, dataclass_from_args
-from learner.config import LearnerConfig
+from learner.config import EvaluatorConfig, InitConfig, LearnerConfig
 from syncer.config import SyncerConfig
+
+SERVICES = {
+    "init": (InitConfig, "write the initial global model and its fragment plan"),
+    "syncer": (SyncerConfig, "run one syncer"),
+    "learner": (LearnerConfig, "run one learner"),
+    "evaluator": (EvaluatorConfig, "report the held-out loss of the global model"),
+}
 
 
 def _setup_logging(level: str) -> None:
@@ -26,6 +40,36 @@ def _setup_logging(level: str) -> None:
     )
 
 
+def _run_learner(cfg: LearnerConfig) -> int:
+    from learner.worker import Learner
+
+    result = Learner(cfg).run()
+    # One write per line: the ranks of a torchrun group share stdout.
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Everything is done and flushed. Skip interpreter teardown: under
+        # load, torch's gloo threads can abort it ("terminate called
+        # without an active exception") and turn a finished rank's exit
+        # code into SIGABRT, which makes torchrun fail the whole group.
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
+    return 0
+
+
+def _run_evaluator(cfg: EvaluatorConfig) -> int:
+    from learner.evaluator import Evaluator
+
+    evaluator = Evaluator(cfg)
+    # SIGTERM: take a last snapshot, evaluate it, exit.
+    signal.signal(signal.SIGTERM, lambda *_: evaluator.stop_requested.set())
+    signal.signal(signal.SIGINT, lambda *_: evaluator.stop_requested.set())
+    print("ready", flush=True)
+    evaluator.run()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ddiloco", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -33,42 +77,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from compose.local import add_local_args
+    from compose.local import LocalConfig, run_local
 
-    add_local_args(sub.add_parser("local", help="run a syncer and M learners on this machine"))
     try:
-        add_dataclass_args(sub.add_parser("learner", help="run one learner"), LearnerConfig)
-        add_dataclass_args(sub.add_parser("syncer", help="run one syncer"), SyncerConfig)
+        add_dataclass_args(
+            sub.add_parser("local", help="init, a syncer, M learners and an evaluator here"),
+            LocalConfig,
+        )
+        for name, (cls, text) in SERVICES.items():
+            add_dataclass_args(sub.add_parser(name, help=text), cls)
     except ValueError as e:  # a DDILOCO_* variable that does not parse
         print(f"ddiloco: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
     _setup_logging(args.log_level)
     try:
-        if args.command == "learner":
-            from learner.worker import Learner
+        if args.command == "local":
+            return run_local(dataclass_from_args(LocalConfig, args))
+        cls = SERVICES[args.command][0]
+        cfg = dataclass_from_args(cls, args)
+        if isinstance(cfg, InitConfig):
+            from learner.workload import write_initial
 
-            result = Learner(dataclass_from_args(LearnerConfig, args)).run()
-            # One write per line: the ranks of a torchrun group share stdout.
-            sys.stdout.write(json.dumps(result) + "\n")
-            sys.stdout.flush()
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                # Everything is done and flushed. Skip interpreter teardown: under
-                # load, torch's gloo threads can abort it ("terminate called
-                # without an active exception") and turn a finished rank's exit
-                # code into SIGABRT, which makes torchrun fail the whole group.
-                sys.stderr.flush()
-                logging.shutdown()
-                os._exit(0)
+            write_initial(cfg.run, cfg.workload)
             return 0
-        if args.command == "syncer":
-            from syncer.service import run_syncer
+        if isinstance(cfg, LearnerConfig):
+            return _run_learner(cfg)
+        if isinstance(cfg, EvaluatorConfig):
+            return _run_evaluator(cfg)
+        from syncer.service import run_syncer
 
-            run_syncer(dataclass_from_args(SyncerConfig, args))
-            return 0
-        from compose.local import run_local
-
-        return run_local(args)
+        assert isinstance(cfg, SyncerConfig)
+        run_syncer(cfg)
+        return 0
     except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as e:
         print(f"ddiloco {args.command}: {e}", file=sys.stderr)
         return 2

@@ -1,10 +1,14 @@
-"""Map a service's config dataclass onto command-line flags and environment variables.
+"""Map config dataclasses onto command-line flags and environment variables.
 
 Every field ``foo_bar`` becomes ``--foo-bar`` with the environment variable
 ``DDILOCO_FOO_BAR`` as its default (that is how docker compose configures the
-services); fields of the nested model config become ``--model-...``. Values are
-validated by the dataclass itself, so a bad flag fails at start with the
-dataclass's message.
+services). A field whose type is itself a dataclass (the shared
+:class:`~broker.settings.RunSettings`, the workload, the model) is flattened
+into its parent, its flags prefixed with the field's ``flag_prefix`` metadata
+(``--model-d-model``), so a setting has the same flag in every command that
+has it. Values are validated by the dataclasses themselves, so a bad flag
+fails at start with the dataclass's message. :func:`dataclass_to_args` turns
+a config back into flags, which is how ``ddiloco local`` starts its services.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Iterator
 from typing import Any, TypeVar, Union
 
-from learner.model import ModelConfig
+from broker.codecs import Codec, CodecError
 
 T = TypeVar("T")
+ENV_PREFIX = "DDILOCO_"
 
 
 def _parse_bool(text: str) -> bool:
@@ -28,6 +34,13 @@ def _parse_bool(text: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _parse_codec(text: str) -> Codec:
+    try:
+        return Codec.parse(text)
+    except CodecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _converter(tp: Any) -> tuple[Any, bool]:
@@ -45,23 +58,46 @@ def _converter(tp: Any) -> tuple[Any, bool]:
         return conv, True
     if tp is bool:
         return _parse_bool, False
+    if tp is Codec:
+        return _parse_codec, False
     return tp, False
 
 
-def _flag(prefix: str, name: str) -> str:
-    return "--" + (prefix + name).replace("_", "-")
+def _is_group(tp: Any) -> bool:
+    """A nested config dataclass to flatten (a codec is a dataclass too, but one value)."""
+    return dataclasses.is_dataclass(tp) and tp is not Codec and not isinstance(tp, Codec)
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+def _is_optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(flattened name, type) of every non-dataclass field, depth first."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if tp is ModelConfig:
-            add_dataclass_args(parser, ModelConfig, prefix="model_")
-            continue
+        if _is_group(tp):
+            yield from _leaves(tp, prefix + f.metadata.get("flag_prefix", ""))  # type: ignore[arg-type]
+        else:
+            yield prefix + f.name, tp
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add a flag for every (flattened) field of ``cls``; ``ValueError`` for a
+    ``DDILOCO_*`` variable that does not parse."""
+    seen: set[str] = set()
+    for name, tp in _leaves(cls):
+        if name in seen:
+            raise TypeError(f"{cls.__name__}: two settings flatten to --{name}")
+        seen.add(name)
         conv, is_list = _converter(tp)
-        optional = typing.get_origin(tp) in (Union, types.UnionType)
-        env = "DDILOCO_" + (prefix + f.name).upper()
+        optional = _is_optional(tp)
+        env = ENV_PREFIX + name.upper()
 
         def parse(
             text: str, conv: Any = conv, is_list: bool = is_list, optional: bool = optional
@@ -73,33 +109,62 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
             return conv(text)
 
         parse.__name__ = getattr(conv, "__name__", "value")  # argparse names it in errors
-        default: Any = dataclasses.MISSING
+        default: Any = argparse.SUPPRESS
         if env in os.environ:
             try:
                 default = parse(os.environ[env])
             except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
                 raise ValueError(f"{env}={os.environ[env]!r}: {e}") from None
         parser.add_argument(
-            _flag(prefix, f.name),
-            dest=prefix + f.name,
-            type=parse,
-            default=default if default is not dataclasses.MISSING else argparse.SUPPRESS,
-            help=f"(env {env})",
+            _flag(name), dest=name, type=parse, default=default, help=f"(env {env})"
         )
 
 
-def dataclass_from_args(cls: type[T], ns: argparse.Namespace) -> T:
-    values = vars(ns)
+def dataclass_from_args(
+    cls: type[T], ns: argparse.Namespace | dict[str, Any], prefix: str = ""
+) -> T:
+    """Build ``cls`` from parsed flags; fields without a flag keep their defaults."""
+    values = vars(ns) if isinstance(ns, argparse.Namespace) else ns
     kwargs: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if hints[f.name] is ModelConfig:
-            model_kwargs = {
-                m.name: values[f"model_{m.name}"]
-                for m in dataclasses.fields(ModelConfig)
-                if f"model_{m.name}" in values
-            }
-            kwargs[f.name] = ModelConfig(**model_kwargs)
-        elif f.name in values:
-            kwargs[f.name] = values[f.name]
+        tp = hints[f.name]
+        if _is_group(tp):
+            kwargs[f.name] = dataclass_from_args(
+                tp,
+                values,
+                prefix + f.metadata.get("flag_prefix", ""),  # type: ignore[arg-type]
+            )
+        elif prefix + f.name in values:
+            kwargs[f.name] = values[prefix + f.name]
     return cls(**kwargs)
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(_text(v) for v in value)
+    return str(value)
+
+
+def dataclass_values(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Flattened name -> value of every field of a config (the inverse of the above)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if _is_group(value):
+            out |= dataclass_values(value, prefix + f.metadata.get("flag_prefix", ""))
+        else:
+            out[prefix + f.name] = value
+    return out
+
+
+def dataclass_to_args(obj: Any) -> list[str]:
+    """Flags that make :func:`dataclass_from_args` rebuild ``obj`` exactly."""
+    args: list[str] = []
+    for name, value in dataclass_values(obj).items():
+        args += [_flag(name), _text(value)]
+    return args

@@ -34,7 +34,7 @@ SUMMARY_KEYS = (
 
 def load_events(out: Path) -> list[dict[str, Any]]:
     """Every process's JSON lines, tagged with their source, in time order."""
-    sources = [("launcher", out / "launcher.jsonl"), ("syncer", out / "syncer.jsonl")]
+    sources = [(name, out / f"{name}.jsonl") for name in ("launcher", "syncer", "evaluator")]
     sources += [(p.stem, p) for p in sorted((out / "learners").glob("*.jsonl"))]
     events: list[dict[str, Any]] = []
     for source, path in sources:
@@ -81,14 +81,45 @@ def _union_length(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def tokens_at(events: list[dict[str, Any]]) -> list[int]:
+    """For each event, the tokens all learners had trained by then (from their own
+    progress reports: the newest figure of each learner id, across restarts)."""
+    newest: dict[str, int] = {}
+    out = []
+    for e in events:
+        if e["event"] in ("step", "done") and "learner" in e:
+            newest[e["learner"]] = max(newest.get(e["learner"], 0), int(e.get("tokens", 0)))
+        out.append(sum(newest.values()))
+    return out
+
+
+def eval_curve(events: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(tokens trained by all learners, held-out loss of the global model) per evaluation.
+
+    A learner that evaluates itself (data parallel) reports its group's tokens; the
+    evaluator does not know them, so its evaluations are placed by the learners'
+    progress reports up to that moment."""
+    trained = tokens_at(events)
+    return [
+        (int(e["tokens"]) if "tokens" in e else trained[i], float(e["loss"]))
+        for i, e in enumerate(events)
+        if e["event"] == "eval"
+    ]
+
+
 def summarise(
-    events: list[dict[str, Any]], mode: str, learners: int, steps: int, quorum: int | None = None
+    events: list[dict[str, Any]],
+    mode: str,
+    learners: int,
+    steps: int,
+    fragments: int,
+    quorum: int | None = None,
 ) -> dict[str, Any]:
     start = next(e["t"] for e in events if e["event"] == "run_start")
     end = next((e["t"] for e in reversed(events) if e["event"] == "run_end"), events[-1]["t"])
     evals = [e for e in events if e["event"] == "eval"]
+    curve = eval_curve(events)
     rounds = [e for e in events if e["event"] == "round"]
-    fragments = int(next(e for e in events if e["event"] == "run_start")["args"]["fragments"])
 
     # Per learner incarnation, the last cumulative counters it reported.
     last: dict[tuple[str, int], dict[str, Any]] = {}
@@ -154,7 +185,7 @@ def summarise(
         else None,
         "steps_per_s_sync_on": _mean_of(events, "steps_per_s_sync_on"),
         "steps_per_s_sync_off": _mean_of(events, "steps_per_s_sync_off"),
-        "eval_curve": [[e.get("learner_tokens", e.get("tokens")), e["loss"]] for e in evals],
+        "eval_curve": [list(point) for point in curve],
     }
     return summary
 
@@ -173,15 +204,10 @@ def plot_run(events: list[dict[str, Any]], folder: Path) -> list[Path]:
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    evals = [e for e in events if e["event"] == "eval"]
+    curve = eval_curve(events)
     fig, ax = plt.subplots(figsize=(6, 4))
-    if evals:
-        ax.plot(
-            [e.get("learner_tokens", e.get("tokens", 0)) for e in evals],
-            [e["loss"] for e in evals],
-            marker="o",
-            ms=3,
-        )
+    if curve:
+        ax.plot([t for t, _ in curve], [loss for _, loss in curve], marker="o", ms=3)
     ax.set_xlabel("tokens trained (all learners)")
     ax.set_ylabel("held-out loss of the global model")
     ax.grid(alpha=0.3)

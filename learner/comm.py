@@ -21,35 +21,8 @@ import torch
 from broker.codecs import Codec
 from broker.transport import Backpressure, LearnerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat
-from learner.config import LearnerConfig
 
 log = logging.getLogger(__name__)
-
-
-def connect_learner(cfg: LearnerConfig, incarnation: int) -> LearnerTransport:
-    if cfg.transport == "redis":
-        from broker.redis_transport import RedisLearnerTransport
-
-        return RedisLearnerTransport(
-            cfg.redis_url,
-            cfg.run_id,
-            cfg.learner_id,
-            cfg.fragments,
-            max_message_bytes=cfg.max_message_bytes,
-            max_unacked=cfg.max_unacked,
-        )
-    from broker.zmq_transport import ZmqLearnerTransport
-
-    return ZmqLearnerTransport(
-        list(cfg.zmq_endpoints),
-        cfg.run_id,
-        cfg.learner_id,
-        incarnation,
-        cfg.fragments,
-        max_message_bytes=cfg.max_message_bytes,
-        max_unacked=cfg.max_unacked,
-        ack_timeout_s=cfg.ack_timeout_s,
-    )
 
 
 @dataclass
@@ -60,20 +33,39 @@ class OutgoingDelta:
     meta: Delta  # every field but codec, numel and payload
 
 
+class DeltaEncoder:
+    """Encodes deltas with a codec; with error feedback, what the codec dropped from
+    one delta of a fragment is added to the next delta of that fragment, so
+    quantisation error is delayed, never lost."""
+
+    def __init__(self, codec: Codec, error_feedback: bool) -> None:
+        self.codec = codec
+        self.error_feedback = error_feedback and codec.quant != "fp32"
+        self._residual: dict[int, torch.Tensor] = {}
+
+    def encode(self, item: OutgoingDelta) -> Delta:
+        p = item.meta.fragment
+        delta = item.delta
+        if self.error_feedback and p in self._residual:
+            delta = delta + self._residual[p]
+        payload = self.codec.encode(delta)
+        if self.error_feedback:
+            self._residual[p] = delta - self.codec.decode(payload, delta.numel())
+        return replace(item.meta, codec=self.codec, numel=delta.numel(), payload=payload)
+
+
 class CommThread(threading.Thread):
     def __init__(
-        self, transport: LearnerTransport, codec: Codec, error_feedback: bool, max_queued: int = 64
+        self, transport: LearnerTransport, encoder: DeltaEncoder, max_queued: int = 64
     ) -> None:
         super().__init__(name="ddiloco-comm", daemon=True)
         self.transport = transport
-        self.codec = codec
-        self.error_feedback = error_feedback
+        self.encoder = encoder
         self._outbox: queue.Queue[OutgoingDelta] = queue.Queue(maxsize=max_queued)
         self._backlog: deque[Delta] = deque()  # encoded, waiting for transport room
         self._heartbeat: Heartbeat | None = None
         self._lock = threading.Lock()
         self._arrived: dict[int, GlobalFragment] = {}
-        self._residual: dict[int, torch.Tensor] = {}
         self._stopping = threading.Event()
         self.dropped = 0
         self._encoding = 0
@@ -102,9 +94,7 @@ class CommThread(threading.Thread):
     @property
     def pending(self) -> int:
         # _encoding covers the moment a delta is neither queued nor handed over.
-        return (
-            self._outbox.qsize() + self._encoding + len(self._backlog) + self.transport.unacked
-        )
+        return self._outbox.qsize() + self._encoding + len(self._backlog) + self.transport.unacked
 
     def stop(self, flush_timeout_s: float) -> bool:
         """Deliver what is queued (up to the timeout), then stop. True if all was delivered."""
@@ -117,16 +107,6 @@ class CommThread(threading.Thread):
         return delivered
 
     # -- the thread ----------------------------------------------------------
-    def _encode(self, item: OutgoingDelta) -> Delta:
-        p = item.meta.fragment
-        delta = item.delta
-        if self.error_feedback and p in self._residual:
-            delta = delta + self._residual[p]
-        payload = self.codec.encode(delta)
-        if self.error_feedback and self.codec.quant != "fp32":
-            self._residual[p] = delta - self.codec.decode(payload, delta.numel())
-        return replace(item.meta, codec=self.codec.name, numel=delta.numel(), payload=payload)
-
     def run(self) -> None:
         try:
             while not self._stopping.is_set():
@@ -139,7 +119,7 @@ class CommThread(threading.Thread):
         while len(self._backlog) < self._outbox.maxsize:
             self._encoding = 1  # set before taking, so pending never reads 0 in between
             try:
-                self._backlog.append(self._encode(self._outbox.get_nowait()))
+                self._backlog.append(self.encoder.encode(self._outbox.get_nowait()))
             except queue.Empty:
                 break
             finally:

@@ -52,7 +52,7 @@ class AggregationParams:
     outer_lr: float
     outer_momentum: float
     aggregation: str  # "mean" or "radial"
-    codec: str  # of published globals
+    codec: Codec  # of published globals
     quarantine_factor: float
 
 
@@ -112,7 +112,7 @@ class FragmentState:
     ) -> None:
         self.fragment = fragment
         self.params = params
-        self.codec = Codec.parse(params.codec)
+        self.codec = params.codec
         self.numel = weights.numel()
         self.master = weights.detach().to(torch.float32).clone()
         self.history = VersionHistory(params.staleness)

@@ -14,7 +14,6 @@ re-delivers deltas that the de-duplication state in the checkpoint refuses.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -22,17 +21,16 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-import torch
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client import Counter as PromCounter
 
+from broker.connect import connect_syncer
+from broker.files import EventLog
+from broker.initial_model import read_initial_model
 from broker.transport import Inbound, SyncerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat, WireError
-from learner.data import eval_batches, evaluate, load_corpus
-from learner.fragments import FragmentPlan
-from learner.model import GPT
 from syncer.checkpoint import load_fragment, load_manifest, save_fragment, save_manifest
 from syncer.config import SyncerConfig
 from syncer.fragment_state import (
@@ -46,29 +44,6 @@ from syncer.fragment_state import (
 from syncer.quorum import Ema
 
 log = logging.getLogger(__name__)
-
-
-def connect_syncer(cfg: SyncerConfig, fragments: list[int]) -> SyncerTransport:
-    if cfg.transport == "redis":
-        from broker.redis_transport import RedisSyncerTransport
-
-        return RedisSyncerTransport(
-            cfg.redis_url,
-            cfg.run_id,
-            consumer=cfg.syncer_id,
-            fragments=fragments,
-            max_message_bytes=cfg.max_message_bytes,
-        )
-    from broker.zmq_transport import ZmqSyncerTransport
-
-    return ZmqSyncerTransport(
-        cfg.zmq_bind, cfg.run_id, fragments, max_message_bytes=cfg.max_message_bytes
-    )
-
-
-def initial_model(cfg: SyncerConfig) -> GPT:
-    torch.manual_seed(cfg.seed)
-    return GPT(cfg.model)
 
 
 class _Metrics:
@@ -97,9 +72,6 @@ class _Metrics:
         self.sync_s = Gauge("ddiloco_syncer_sync_seconds", "Merge+checkpoint+publish", registry=r)
         self.bytes_in = Gauge("ddiloco_syncer_bytes_received", "Bytes received", registry=r)
         self.bytes_out = Gauge("ddiloco_syncer_bytes_sent", "Bytes sent", registry=r)
-        self.eval_loss = Gauge(
-            "ddiloco_syncer_eval_loss", "Held-out loss of the global model", registry=r
-        )
         if port:
             start_http_server(port, registry=r)
 
@@ -113,28 +85,33 @@ class Syncer:
     ) -> None:
         self.cfg = cfg
         self.clock = clock
-        model = initial_model(cfg)
-        self.model = model
-        self.plan = FragmentPlan.for_model(model, cfg.fragments, cfg.sync_every)
-        self.owned = list(cfg.owned_fragments or range(cfg.fragments))
+        run, outer = cfg.run, cfg.outer
+        initial = read_initial_model(Path(run.initial_model))
+        self.plan = initial.plan
+        if (self.plan.num_fragments, self.plan.sync_every) != (run.fragments, run.sync_every):
+            raise ValueError(
+                f"{run.initial_model} was written for fragments={self.plan.num_fragments}, "
+                f"sync_every={self.plan.sync_every}, not fragments={run.fragments}, "
+                f"sync_every={run.sync_every}: run `ddiloco init` with the same settings"
+            )
+        self.owned = list(cfg.owned_fragments or range(run.fragments))
         self.checkpoint_dir = Path(cfg.checkpoint_dir)
         self._check_manifest()
         params = AggregationParams(
-            quorum=cfg.quorum,
-            grace_gamma=cfg.grace_gamma,
-            overlap=cfg.overlap,
-            staleness=cfg.staleness,
-            outer_lr=cfg.outer_lr,
-            outer_momentum=cfg.outer_momentum,
-            aggregation=cfg.aggregation,
-            codec=cfg.codec,
-            quarantine_factor=cfg.quarantine_factor,
+            quorum=run.effective_quorum,
+            grace_gamma=outer.grace_gamma,
+            overlap=run.overlap,
+            staleness=outer.staleness,
+            outer_lr=outer.outer_lr,
+            outer_momentum=outer.outer_momentum,
+            aggregation=outer.aggregation,
+            codec=run.global_codec,
+            quarantine_factor=outer.quarantine_factor,
         )
-        named = dict(model.named_parameters())
         self.states: dict[int, FragmentState] = {}
         resumed = []
         for p in self.owned:
-            state = FragmentState(p, self.plan.flatten(named, p), params)
+            state = FragmentState(p, initial.fragment(p), params)
             saved = load_fragment(self.checkpoint_dir, p)
             if saved is not None:
                 state.load(*saved)
@@ -142,7 +119,9 @@ class Syncer:
             self.states[p] = state
         if resumed:
             log.info("resumed fragments from %s: %s", self.checkpoint_dir, ", ".join(resumed))
-        self.transport = transport or connect_syncer(cfg, self.owned)
+        self.transport = transport or connect_syncer(
+            run.url, run_id=run.run_id, syncer_id=cfg.syncer_id, fragments=self.owned
+        )
         self.metrics = _Metrics(cfg.metrics_port)
         self.rejected: Counter[str] = Counter()
         self.deltas_applied = 0
@@ -152,14 +131,9 @@ class Syncer:
         self.last_heartbeat: dict[str, float] = {}
         self.learner_tokens: dict[str, int] = {}
         self.step_s = Ema(0.1)
-        self.eval_loss: float | None = None
-        self._events: TextIO | None = None
-        if cfg.metrics_file:
-            Path(cfg.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            self._events = open(cfg.metrics_file, "a", buffering=1)  # noqa: SIM115
-        self._eval_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._next_eval = 0.0
+        self.events = EventLog(cfg.metrics_file)
         self.stop_requested = threading.Event()
+        self.drain_requested = threading.Event()
         for p in self.owned:  # joiners and restarted learners need a snapshot at once
             self._publish(p)
 
@@ -174,21 +148,20 @@ class Syncer:
         save_manifest(
             self.checkpoint_dir,
             {
-                "run_id": self.cfg.run_id,
+                "run_id": self.cfg.run.run_id,
                 "plan_hash": self.plan.plan_hash,
-                "fragments": self.cfg.fragments,
-                "sync_every": self.cfg.sync_every,
-                "model": self.cfg.model.__dict__,
+                "fragments": self.plan.num_fragments,
+                "sync_every": self.plan.sync_every,
+                "initial_model": self.cfg.run.initial_model,
             },
         )
 
     # -- events ----------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
-        if self._events is not None:
-            self._events.write(json.dumps({"t": time.time(), "event": kind, **fields}) + "\n")
+        self.events.write(kind, **fields)
 
     def live_learners(self, now: float) -> set[str]:
-        timeout = self.cfg.heartbeat_timeout_s
+        timeout = self.cfg.run.heartbeat_timeout_s
         return {name for name, t in self.last_heartbeat.items() if now - t <= timeout}
 
     # -- the loop --------------------------------------------------------
@@ -221,9 +194,9 @@ class Syncer:
         self.metrics.live.set(len(live))
         self.metrics.bytes_in.set(self.transport.stats.bytes_received)
         self.metrics.bytes_out.set(self.transport.stats.bytes_sent)
-        if self.cfg.eval_every_s and self.clock() >= self._next_eval:
-            self.evaluate()
-            self._next_eval = self.clock() + self.cfg.eval_every_s
+        if self.drain_requested.is_set():
+            self.drain_requested.clear()
+            self.drain()
 
     def _on_heartbeat(self, hb: Heartbeat, now: float) -> None:
         self.last_heartbeat[hb.learner_id] = now
@@ -231,7 +204,7 @@ class Syncer:
         if hb.step_time_s > 0:
             # Capped: one stalled step (or a lying peer) must not stretch every
             # grace window past the time a dead learner takes to be noticed.
-            self.step_s.update(min(hb.step_time_s, self.cfg.heartbeat_timeout_s))
+            self.step_s.update(min(hb.step_time_s, self.cfg.run.heartbeat_timeout_s))
 
     def _reject(self, reason: str, delta: Delta) -> None:
         self.rejected[reason] += 1
@@ -324,60 +297,33 @@ class Syncer:
         state = self.states[p]
         self.transport.publish(
             GlobalFragment(
-                run_id=self.cfg.run_id,
+                run_id=self.cfg.run.run_id,
                 fragment=p,
                 plan_hash=self.plan.plan_hash,
                 version=state.version,
-                codec=state.codec.name,
+                codec=state.codec,
                 numel=state.numel,
                 payload=state.payload,
                 sent_at=time.time(),
             )
         )
 
-    # -- evaluation and shutdown ------------------------------------------
-    def global_model(self) -> GPT:
-        """The current global weights in a model (needs every fragment owned here)."""
-        named = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for p, state in self.states.items():
-                for name, tensor in self.plan.unflatten(state.weights, p).items():
-                    named[name].copy_(tensor)
-        return self.model
-
-    def evaluate(self) -> float | None:
-        if len(self.states) != self.cfg.fragments:
-            return None  # another syncer holds part of the model
-        if self._eval_batches is None:
-            corpus = load_corpus(self.cfg.data, self.cfg.model.vocab_size, self.cfg.model.seq_len)
-            self._eval_batches = eval_batches(
-                corpus.val, self.cfg.model.seq_len, self.cfg.eval_batch_size, self.cfg.eval_batches
-            )
-        self.eval_loss = evaluate(self.global_model(), self._eval_batches)
-        self.metrics.eval_loss.set(self.eval_loss)
-        versions = {str(p): s.version for p, s in self.states.items()}
-        self.event(
-            "eval",
-            loss=self.eval_loss,
-            merged_tokens=self.merged_tokens,
-            learner_tokens=sum(self.learner_tokens.values()),
-            versions=versions,
-        )
-        log.info("eval loss %.4f (merged tokens %d)", self.eval_loss, self.merged_tokens)
-        return self.eval_loss
-
-    def shutdown(self) -> None:
-        """Merge what is pending (the learners are done), evaluate, record totals."""
+    # -- draining and shutdown ----------------------------------------------
+    def drain(self) -> None:
+        """Close every round that holds deltas now, without waiting for quorum or
+        grace (the learners are done): afterwards every delivered delta is merged
+        and published, and the syncer goes on serving snapshots."""
         for p, state in self.states.items():
             if state.pending_learners:
                 self.close_round(p)
-        if self.cfg.eval_every_s:
-            self.evaluate()
+        self.event("drained", versions={str(p): s.version for p, s in self.states.items()})
+
+    def shutdown(self) -> None:
+        """Merge what is pending, record totals, close."""
+        self.drain()
         self.event("summary", **self.summary())
         self.transport.close()
-        if self._events is not None:
-            self._events.close()
-            self._events = None
+        self.events.close()
 
     def summary(self) -> dict[str, Any]:
         stats = self.transport.stats
@@ -392,7 +338,6 @@ class Syncer:
             "bytes_received": stats.bytes_received,
             "bytes_sent": stats.bytes_sent,
             "versions": {str(p): s.version for p, s in self.states.items()},
-            "eval_loss": self.eval_loss,
         }
 
 
@@ -400,6 +345,8 @@ def run_syncer(cfg: SyncerConfig) -> None:
     syncer = Syncer(cfg)
     signal.signal(signal.SIGTERM, lambda *_: syncer.stop_requested.set())
     signal.signal(signal.SIGINT, lambda *_: syncer.stop_requested.set())
+    # SIGUSR1: the learners are done; merge what is pending now and keep serving.
+    signal.signal(signal.SIGUSR1, lambda *_: syncer.drain_requested.set())
     log.info(
         "syncer %s owns fragments %s (plan %s)", cfg.syncer_id, syncer.owned, syncer.plan.plan_hash
     )

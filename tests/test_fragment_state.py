@@ -68,6 +68,7 @@ def params(**over: Any) -> AggregationParams:
         quarantine_factor=10.0,
     )
     values.update(over)
+    values["codec"] = Codec.parse(values["codec"])
     return AggregationParams(**values)
 
 

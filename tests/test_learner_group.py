@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from compose.local import free_port_pair
+from compose.processes import free_port_pair
 from tests.servers import free_port
 
 pytestmark = pytest.mark.e2e

@@ -25,15 +25,9 @@ import pytest
 import redis
 import torch
 
-from broker.redis_transport import (
-    FIELD,
-    GROUP,
-    RedisLearnerTransport,
-    RedisSyncerTransport,
-    delta_stream_key,
-    globals_stream_key,
-    learners_key,
-)
+from broker.redis_common import FIELD, GROUP, delta_stream_key, globals_stream_key, learners_key
+from broker.redis_learner import RedisLearnerTransport
+from broker.redis_syncer import RedisSyncerTransport
 from broker.transport import Backpressure, Inbound, TransportError
 from broker.wire import Delta, GlobalFragment, Heartbeat, decode, encode
 from tests.servers import RedisServer, wait_until

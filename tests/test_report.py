@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from compose.report import _intervals, _union_length, load_events, plot_run, summarise
+from compose.report import (
+    _intervals,
+    _union_length,
+    eval_curve,
+    load_events,
+    plot_run,
+    summarise,
+)
 
 Event = dict[str, Any]
 
@@ -28,9 +35,9 @@ def run_events() -> list[Event]:
     The syncer is killed once, at 5; a shutdown kill at the end does not count.
     """
     return [
-        {"t": 0.0, "event": "run_start", "mode": "decoupled", "args": {"fragments": 2}},
+        {"t": 0.0, "event": "run_start", "mode": "decoupled"},
         {"t": 0.2, "event": "process_start", "process": "syncer"},
-        {"t": 0.5, "event": "eval", "loss": 5.5, "merged_tokens": 0, "learner_tokens": 0},
+        {"t": 0.5, "event": "eval", "loss": 5.5, "source": "evaluator"},
         {"t": 1.0, "event": "start", "learner": "learner-0", "incarnation": 0, "step": 0},
         {"t": 1.0, "event": "start", "learner": "learner-1", "incarnation": 0, "step": 0},
         step(2.0, "learner-0", 0, 10, 1000, 10.0, 100, 50),
@@ -60,13 +67,13 @@ def run_events() -> list[Event]:
         {"t": 7.5, "event": "done", "learner": "learner-0", "incarnation": 1, "steps": 40,
          "tokens": 4000, "bytes_sent": 160, "bytes_received": 90},
         {"t": 7.6, "event": "process_kill", "process": "learner-1", "reason": "shutdown"},
-        {"t": 7.8, "event": "eval", "loss": 2.25, "merged_tokens": 7500, "learner_tokens": 6500},
+        {"t": 7.8, "event": "eval", "loss": 2.25, "source": "evaluator", "final": True},
         {"t": 8.0, "event": "run_end"},
     ]
 
 
 def test_summary_by_hand() -> None:
-    s = summarise(run_events(), mode="decoupled", learners=2, steps=40, quorum=1)
+    s = summarise(run_events(), mode="decoupled", learners=2, steps=40, fragments=2, quorum=1)
     assert (s["mode"], s["learners"], s["steps_per_learner"], s["quorum"]) == (
         "decoupled", 2, 40, 1)
     # learner-0: max over incarnations (2000 then 4000) = 4000; learner-1: 2500.
@@ -96,8 +103,19 @@ def test_summary_by_hand() -> None:
     assert json.loads(json.dumps(s)) == s  # what summary.json will hold
 
 
+def test_the_eval_curve_places_each_evaluation_by_the_tokens_trained_by_then() -> None:
+    events = run_events()
+    events.append({"t": 3.1, "event": "eval", "loss": 3.0, "source": "evaluator"})
+    events.sort(key=lambda e: e["t"])
+    # At 3.1: learner-0 reported 2000 (step at 3.0), learner-1 2500 (done at 3.0).
+    assert eval_curve(events) == [(0, 5.5), (4500, 3.0), (6500, 2.25)]
+    # A learner that evaluates itself (data parallel) reports its group's tokens.
+    events.append({"t": 9.0, "event": "eval", "loss": 2.0, "learner": "learner-0", "tokens": 123})
+    assert eval_curve(events)[-1] == (123, 2.0)
+
+
 def test_ddp_goodput_counts_trained_tokens() -> None:
-    s = summarise(run_events(), mode="ddp", learners=2, steps=40)
+    s = summarise(run_events(), mode="ddp", learners=2, steps=40, fragments=2)
     assert s["merged_tokens"] == 6500
     assert s["goodput"] == round(6500 / 8500, 4)
 
@@ -108,7 +126,7 @@ def test_goodput_is_not_capped() -> None:
     for e in events:
         if e["event"] == "round":
             e["tokens"] *= 10
-    assert summarise(events, mode="decoupled", learners=2, steps=40)["goodput"] > 1.0
+    assert summarise(events, mode="decoupled", learners=2, steps=40, fragments=2)["goodput"] > 1.0
 
 
 def test_uptime_is_one_without_a_gap() -> None:
@@ -118,7 +136,7 @@ def test_uptime_is_one_without_a_gap() -> None:
         if e["event"] in ("train_end", "done") and e.get("learner") == "learner-1":
             e["t"] = 6.0
     events.sort(key=lambda e: e["t"])
-    s = summarise(events, mode="decoupled", learners=2, steps=40)
+    s = summarise(events, mode="decoupled", learners=2, steps=40, fragments=2)
     assert s["uptime"] == 1.0
     # learner-1's undisturbed span is now 5 s: 10 x 100 x 5 = 5000.
     assert s["goodput"] == round(3750 / (6500 + 5000), 4)
@@ -126,7 +144,7 @@ def test_uptime_is_one_without_a_gap() -> None:
 
 def test_summary_without_evals_or_run_end() -> None:
     events = [e for e in run_events() if e["event"] not in ("eval", "run_end")]
-    s = summarise(events, mode="decoupled", learners=2, steps=40)
+    s = summarise(events, mode="decoupled", learners=2, steps=40, fragments=2)
     assert s["initial_eval_loss"] is None and s["final_eval_loss"] is None
     assert s["wall_s"] == 7.6  # the last event stands in for run_end
     assert s["eval_curve"] == []

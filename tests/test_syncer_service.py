@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from broker.codecs import Codec
+from broker.settings import RunSettings
 from broker.wire import Delta, GlobalFragment, Heartbeat
 from broker.zmq_transport import ZmqLearnerTransport
-from compose.local import free_port_pair
+from compose.processes import free_port_pair
+from learner.config import WorkloadConfig
 from learner.model import ModelConfig
+from learner.workload import write_initial
 from syncer.checkpoint import fragment_path
-from syncer.config import SyncerConfig
+from syncer.config import OuterConfig, SyncerConfig
 from syncer.service import Syncer
 from tests.servers import free_port, wait_until
 
@@ -24,17 +27,25 @@ pytestmark = pytest.mark.integration
 TINY = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)
 
 
-def make_syncer(tmp_path: Path, port: int, **overrides: object) -> Syncer:
-    settings: dict[str, object] = dict(
+def make_syncer(
+    tmp_path: Path, port: int, quorum: int = 2, grace_gamma: float = 0.0, **overrides: object
+) -> Syncer:
+    """A syncer started from an initial model file, as `ddiloco init` writes it."""
+    run = RunSettings(
         run_id="svc",
-        zmq_bind=f"tcp://127.0.0.1:{port}",
-        model=TINY,
+        url=f"zmq://127.0.0.1:{port}",
+        learners=2,
+        quorum=quorum,
         fragments=2,
         sync_every=2,
-        quorum=2,
-        grace_gamma=0.0,
-        outer_lr=1.0,
-        outer_momentum=0.0,
+        overlap=1,
+        initial_model=str(tmp_path / "initial.safetensors"),
+    )
+    if not Path(run.initial_model).exists():
+        write_initial(run, WorkloadConfig(model=TINY))
+    settings: dict[str, object] = dict(
+        run=run,
+        outer=OuterConfig(grace_gamma=grace_gamma, outer_lr=1.0, outer_momentum=0.0),
         checkpoint_dir=str(tmp_path / "ck"),
         metrics_file=str(tmp_path / "events.jsonl"),
     )

@@ -41,7 +41,7 @@ def open_db(path: str) -> sqlite3.Connection:
 def make_transport(args: argparse.Namespace) -> SyncerTransport:
     fragments = [int(p) for p in args.fragments.split(",")]
     if args.backend == "redis":
-        from broker.redis_transport import RedisSyncerTransport
+        from broker.redis_syncer import RedisSyncerTransport
 
         return RedisSyncerTransport(
             args.url,

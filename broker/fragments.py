@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -120,20 +121,43 @@ class FragmentPlan:
     def fragment_nbytes(self, fragment: int) -> int:
         return sum(s.nbytes for s in self.fragment_specs(fragment))
 
+    def to_json(self) -> dict[str, Any]:
+        """The whole plan as plain JSON values (what :meth:`from_json` reads)."""
+        return {
+            "fragments": self.num_fragments,
+            "sync_every": self.sync_every,
+            "params": [
+                [s.name, list(s.shape), s.dtype, p]
+                for s, p in zip(self.specs, self.owner, strict=True)
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> FragmentPlan:
+        """A plan written by :meth:`to_json`; ``ValueError`` if it is not one."""
+        try:
+            num_fragments, sync_every = int(data["fragments"]), int(data["sync_every"])
+            rows = [
+                (str(n), tuple(int(d) for d in shape), str(dt), int(p))
+                for n, shape, dt, p in data["params"]
+            ]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a fragment plan: {e!r}") from None
+        specs = tuple(ParamSpec(n, shape, dt) for n, shape, dt, _ in rows)
+        owner = tuple(p for *_, p in rows)
+        for spec in specs:
+            if not isinstance(getattr(torch, spec.dtype, None), torch.dtype):
+                raise ValueError(f"not a fragment plan: unknown dtype {spec.dtype!r}")
+        if num_fragments < 1 or sync_every < 1 or sync_every % num_fragments:
+            raise ValueError(f"not a fragment plan: P={num_fragments}, H={sync_every}")
+        if len({s.name for s in specs}) != len(specs) or set(owner) != set(range(num_fragments)):
+            raise ValueError("not a fragment plan: duplicate names or an empty fragment")
+        return cls(specs, owner, num_fragments, sync_every)
+
     @property
     def plan_hash(self) -> str:
         """16 hex digits identifying the plan; equal plans hash equal everywhere."""
-        canonical = json.dumps(
-            {
-                "fragments": self.num_fragments,
-                "sync_every": self.sync_every,
-                "params": [
-                    [s.name, list(s.shape), s.dtype, p]
-                    for s, p in zip(self.specs, self.owner, strict=True)
-                ],
-            },
-            separators=(",", ":"),
-        )
+        canonical = json.dumps(self.to_json(), separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     # -- schedule --------------------------------------------------------

@@ -1,0 +1,135 @@
+"""Build a transport from a URL, so no service ever asks which backend it has.
+
+    zmq://host:port[,host:port...][?option=value&...]
+    redis://[user:password@]host:port/db[?option=value&...]    (also rediss://, unix://)
+
+Backend options are the keyword options of the backend's classes (for
+example ``ack_timeout_s`` and ``max_unacked`` for ZeroMQ, ``claim_idle_s`` and
+``delta_stream_maxlen`` for Redis) and travel as query parameters. One URL
+serves both sides of a run: an option that only one side has is ignored by
+the other. Redis's own query parameters pass through to redis-py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from broker.transport import LearnerTransport, SyncerTransport
+
+SCHEMES = ("zmq", "redis", "rediss", "unix")
+
+
+@dataclass(frozen=True)
+class BrokerUrl:
+    backend: str  # "zmq" or "redis"
+    endpoints: tuple[str, ...]  # zmq: tcp://host:port each; redis: the URL for redis-py
+    options: dict[str, str]  # ours, still as text
+
+
+def _backend_classes(backend: str) -> tuple[type, type]:
+    if backend == "zmq":
+        from broker.zmq_transport import ZmqLearnerTransport, ZmqSyncerTransport
+
+        return ZmqLearnerTransport, ZmqSyncerTransport
+    from broker.redis_learner import RedisLearnerTransport
+    from broker.redis_syncer import RedisSyncerTransport
+
+    return RedisLearnerTransport, RedisSyncerTransport
+
+
+def _keyword_options(cls: type) -> dict[str, Any]:
+    """name -> type of a backend class's keyword-only constructor options."""
+    hints = typing.get_type_hints(cls.__init__)  # type: ignore[misc]
+    params = inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]
+    return {p.name: hints[p.name] for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _options_of(backend: str) -> dict[str, Any]:
+    learner, syncer = _backend_classes(backend)
+    return _keyword_options(learner) | _keyword_options(syncer)
+
+
+def _convert(name: str, text: str, tp: Any) -> Any:
+    try:
+        if tp is bool:
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("1", "true", "yes")
+        return tp(text)
+    except ValueError:
+        raise ValueError(f"url option {name}={text!r}: expected {tp.__name__}") from None
+
+
+def parse_url(url: str) -> BrokerUrl:
+    """Split and check a broker URL; ``ValueError`` says what to change."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(
+            f"url={url!r}: use zmq://HOST:PORT[,HOST:PORT], redis://HOST:PORT/DB, "
+            "rediss://... or unix://..."
+        )
+    backend = "zmq" if parts.scheme == "zmq" else "redis"
+    known = _options_of(backend)
+    ours: dict[str, str] = {}
+    theirs: list[tuple[str, str]] = []
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key in known:
+            _convert(key, value, known[key])  # fail at start, not at connect
+            ours[key] = value
+        elif backend == "zmq":
+            raise ValueError(f"url={url!r}: unknown option {key!r}; known: {sorted(known)}")
+        else:
+            theirs.append((key, value))
+    if backend == "redis":
+        redis_url = urlunsplit(parts._replace(query=urlencode(theirs)))
+        return BrokerUrl(backend, (redis_url,), ours)
+    endpoints = []
+    for hostport in parts.netloc.split(","):
+        host, sep, port = hostport.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
+            raise ValueError(f"url={url!r}: each zmq endpoint must be HOST:PORT (PORT < 65535)")
+        endpoints.append(f"tcp://{host}:{port}")
+    if parts.path not in ("", "/"):
+        raise ValueError(f"url={url!r}: a zmq url has no path")
+    return BrokerUrl(backend, tuple(endpoints), ours)
+
+
+def _options_for(cls: type, parsed: BrokerUrl) -> dict[str, Any]:
+    accepted = _keyword_options(cls)
+    return {k: _convert(k, v, accepted[k]) for k, v in parsed.options.items() if k in accepted}
+
+
+def connect_learner(
+    url: str, *, run_id: str, learner_id: str, incarnation: int, num_fragments: int
+) -> LearnerTransport:
+    parsed = parse_url(url)
+    cls, _ = _backend_classes(parsed.backend)
+    options = _options_for(cls, parsed)
+    if parsed.backend == "zmq":
+        transport: LearnerTransport = cls(
+            list(parsed.endpoints), run_id, learner_id, incarnation, num_fragments, **options
+        )
+    else:
+        transport = cls(parsed.endpoints[0], run_id, learner_id, num_fragments, **options)
+    return transport
+
+
+def connect_syncer(
+    url: str, *, run_id: str, syncer_id: str, fragments: list[int]
+) -> SyncerTransport:
+    parsed = parse_url(url)
+    _, cls = _backend_classes(parsed.backend)
+    options = _options_for(cls, parsed)
+    if parsed.backend == "zmq":
+        if len(parsed.endpoints) != 1:
+            raise ValueError(
+                f"url={url!r}: a zmq syncer binds one endpoint; give each syncer its own"
+            )
+        transport: SyncerTransport = cls(parsed.endpoints[0], run_id, fragments, **options)
+    else:
+        transport = cls(parsed.endpoints[0], run_id, syncer_id, fragments, **options)
+    return transport

@@ -1,0 +1,262 @@
+"""Redis Streams backend of the transport (DESIGN.md section 3): what both sides share.
+
+The learner side is :mod:`broker.redis_learner`, the syncer side
+:mod:`broker.redis_syncer`; this module holds the keys, the frame checks, the
+connection handling and the one retry loop both sides wait in.
+
+Keys of one run (``{run}`` is the run id)::
+
+    ddiloco:{run}:deltas:{p}   stream   learners XADD deltas of fragment p; the syncer
+                                        consumer group ``syncers`` reads them
+    ddiloco:{run}:globals      stream   syncers XADD every new global (exact MAXLEN)
+    ddiloco:{run}:model:{p}    string   the latest global of fragment p, for joiners
+    ddiloco:{run}:learners     hash     learner id -> its latest heartbeat frame
+
+Every stream entry holds one :mod:`broker.wire` frame in the field ``m``.
+
+Delivery
+--------
+* A learner's delta is delivered when Redis replied to its XADD (the server runs
+  with AOF ``appendfsync always``, so the reply comes after the fsync). Until
+  then it stays queued in the learner and is resent by ``poll``; a resend after
+  a lost reply may duplicate an entry, which the syncer de-duplicates by
+  (learner, incarnation, seq).
+* The syncer reads with XREADGROUP and acks (XACK) only what the caller acks.
+  A restarted consumer first re-reads its own pending entries, then new ones.
+  Entries left pending by a dead consumer are taken over with XAUTOCLAIM once
+  they are idle for ``claim_idle_s``: that must be longer than the longest time
+  a live syncer holds a delta before acking it.
+* Delta streams are trimmed with XTRIM MINID below the oldest entry that is
+  pending or not yet delivered to the group, so trimming never eats an entry
+  the syncer still needs. The learner's approximate MAXLEN is only a safety
+  bound for a syncer that is down for long; an entry it trims while pending is
+  detected (it comes back without fields) and counted as ``trimmed``, but one
+  it trims before the group read it is lost unnoticed (redis < 7 keeps no
+  record of it): size ``delta_stream_maxlen`` for the longest syncer outage.
+* Globals reach learners in version order per fragment. A learner that sees a
+  gap, a fragment it has no base for, or the globals stream trimmed past its
+  read position fetches the latest-snapshot keys instead.
+
+Connection errors (and other transient server errors: loading, OOM, MISCONF)
+never escape: both sides back off exponentially (with jitter), reconnect and
+carry on; deltas and globals not yet written stay queued in the process. The
+few exceptions are documented with each side. Invalid messages of our own
+(wrong run, fragment out of range, frame over ``max_message_bytes``) raise
+``ValueError``/``WireError`` at once: they are bugs, not network weather.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import EqualJitterBackoff, NoBackoff
+from redis.retry import Retry
+
+from broker.transport import TransportStats
+from broker.wire import Message, WireError, decode, encode
+
+log = logging.getLogger(__name__)
+
+# (entry id, fields) as redis-py returns them; fields are empty for an entry
+# that was trimmed or deleted while pending.
+Entries = list[tuple[bytes, dict[bytes, bytes]]]
+
+FIELD = b"m"
+GROUP = "syncers"
+_BACKOFF_BASE_S = 0.05
+_BACKOFF_CAP_S = 2.0
+# redis ends a blocking read on its timer tick (every 100 ms at the default
+# hz 10), so BLOCK b returns after b to b + 100 ms: block only for what is left
+# after one tick, and poll without blocking in the last tick of a wait.
+_REDIS_TICK_S = 0.1
+_TAIL_POLL_S = 0.02
+
+# Errors after which the same request may succeed later: the server is down,
+# restarting, loading its AOF, out of memory, or failing to write its AOF.
+_TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ExecAbortError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.MasterDownError,
+)
+
+# The id of the first (or, with ARGV[1] == "last", the last) entry of a stream,
+# or false when it is empty, without sending the entry's payload to the client.
+STREAM_END_ID = """
+local entries
+if ARGV[1] == 'last' then
+    entries = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+else
+    entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+end
+if #entries == 0 then return false end
+return entries[1][1]
+"""
+
+T = TypeVar("T")
+
+
+def delta_stream_key(run_id: str, fragment: int) -> str:
+    return f"ddiloco:{run_id}:deltas:{fragment}"
+
+
+def globals_stream_key(run_id: str) -> str:
+    return f"ddiloco:{run_id}:globals"
+
+
+def model_key(run_id: str, fragment: int) -> str:
+    return f"ddiloco:{run_id}:model:{fragment}"
+
+
+def learners_key(run_id: str) -> str:
+    return f"ddiloco:{run_id}:learners"
+
+
+def to_str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def parse_id(entry_id: bytes | str) -> tuple[int, int]:
+    ms, _, seq = to_str(entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def read_block_ms(deadline: float, max_block_s: float) -> int | None:
+    """BLOCK argument that returns by ``deadline``; None: read without blocking
+    (BLOCK 0 would wait forever)."""
+    block_s = min(deadline - time.monotonic() - _REDIS_TICK_S, max_block_s)
+    return int(block_s * 1000) if block_s >= 0.001 else None
+
+
+def sleep_tail(deadline: float) -> None:
+    """After a non-blocking read found nothing: wait a little, client side."""
+    time.sleep(min(max(0.0, deadline - time.monotonic()), _TAIL_POLL_S))
+
+
+def is_transient(error: Exception) -> bool:
+    return isinstance(error, _TRANSIENT_ERRORS) or (
+        isinstance(error, redis.ResponseError) and str(error).startswith("MISCONF")
+    )
+
+
+def connect(url: str, socket_timeout_s: float) -> redis.Redis:
+    # One immediate retry replaces a pooled connection that a server restart
+    # broke; longer outages are the caller's backoff loop's business.
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+        retry=Retry(NoBackoff(), 1),
+        decode_responses=False,
+    )
+
+
+class Reconnect:
+    """Exponential backoff (with jitter) between attempts after transient errors."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._backoff = EqualJitterBackoff(cap=_BACKOFF_CAP_S, base=_BACKOFF_BASE_S)
+        self.failures = 0
+        self._retry_at = 0.0
+
+    def wait_s(self) -> float:
+        """Seconds until the next attempt may go out (0 when it may go now)."""
+        return max(0.0, self._retry_at - time.monotonic())
+
+    def failed(self, error: Exception) -> None:
+        self.failures += 1
+        delay_s = self._backoff.compute(self.failures)
+        self._retry_at = time.monotonic() + delay_s
+        if self.failures == 1:
+            log.warning("%s: redis unavailable (%s); retrying with backoff", self._what, error)
+        else:
+            log.debug(
+                "%s: attempt %d failed (%s); next in %.2fs",
+                self._what,
+                self.failures,
+                error,
+                delay_s,
+            )
+
+    def succeeded(self) -> None:
+        if self.failures:
+            log.info(
+                "%s: redis reachable again after %d failed attempts", self._what, self.failures
+            )
+        self.failures = 0
+        self._retry_at = 0.0
+
+
+def retry_until(
+    reconnect: Reconnect,
+    deadline: float,
+    attempt: Callable[[float], list[T]],
+    failed: Callable[[Exception], None],
+    *,
+    before: Callable[[], None] | None = None,
+    on_error: Callable[[Exception], bool] | None = None,
+) -> list[T]:
+    """Call ``attempt(deadline)`` whenever ``reconnect`` allows until it finds
+    something or ``deadline`` passes; what it found, or [] at the deadline.
+
+    A transient error goes to ``failed`` (which must record it with
+    ``reconnect.failed``), and the next attempt waits for the backoff. Any
+    error goes to ``on_error`` first: True means it handled it, and the loop
+    goes on without recording a failure or a success. Other errors propagate.
+    ``before`` runs ahead of each attempt the backoff allows; it handles its own
+    errors, and when it started a backoff the attempt waits for that too.
+    """
+    while True:
+        if before is not None and not reconnect.wait_s():
+            before()
+        if not reconnect.wait_s():
+            try:
+                found = attempt(deadline)
+            except Exception as e:
+                if on_error is not None and on_error(e):
+                    pass
+                elif is_transient(e):
+                    failed(e)
+                else:
+                    raise
+            else:
+                reconnect.succeeded()
+                if found or time.monotonic() >= deadline:
+                    return found
+                # A read came back empty before the deadline: read again at once.
+                continue
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            return []
+        time.sleep(min(remaining_s, reconnect.wait_s()))
+
+
+def check_frame(frame: Any, max_message_bytes: int, stats: TransportStats) -> Message | None:
+    """Decode one stream/hash value, or count why it is rejected and return None."""
+    if not isinstance(frame, bytes):
+        stats.rejected["bad_entry"] += 1
+        return None
+    stats.bytes_received += len(frame)
+    if len(frame) > max_message_bytes:
+        stats.rejected["too_large"] += 1
+        return None
+    try:
+        return decode(frame, max_payload_bytes=max_message_bytes)
+    except WireError as e:
+        stats.rejected[e.reason] += 1
+        return None
+
+
+def encode_bounded(msg: Message, max_message_bytes: int) -> bytes:
+    frame = encode(msg, max_payload_bytes=max_message_bytes)
+    if len(frame) > max_message_bytes:
+        raise WireError("too_large", f"frame of {len(frame)} > {max_message_bytes} bytes")
+    return frame

@@ -1,0 +1,322 @@
+"""Learner side of the Redis Streams transport (DESIGN.md section 3).
+
+Keys, the delivery contract and the connection handling both sides share are in
+:mod:`broker.redis_common`. A learner XADDs its deltas to the delta stream of
+their fragment, HSETs its heartbeat into the learners hash, XREADs the globals
+stream and GETs the snapshot keys when it has no base or sees a gap.
+
+Connection errors never escape, with two exceptions: ``snapshot`` raises
+:class:`TransportError` when it gets no answer within its timeout, and
+``send_delta`` raises :class:`Backpressure` when ``max_unacked`` deltas wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, cast
+
+from redis.typing import KeyT, StreamIdT
+
+from broker.redis_common import (
+    FIELD,
+    STREAM_END_ID,
+    Entries,
+    Reconnect,
+    check_frame,
+    connect,
+    delta_stream_key,
+    encode_bounded,
+    globals_stream_key,
+    is_transient,
+    learners_key,
+    model_key,
+    parse_id,
+    read_block_ms,
+    retry_until,
+    sleep_tail,
+    to_str,
+)
+from broker.transport import Backpressure, LearnerTransport, TransportError, TransportStats
+from broker.wire import Delta, GlobalFragment, Heartbeat
+
+log = logging.getLogger(__name__)
+
+_GLOBALS_READ_COUNT = 16  # globals are whole fragments: read few at a time
+
+
+@dataclass
+class _QueuedDelta:
+    stream: str
+    frame: bytes
+    failed_attempts: int = 0
+
+
+class RedisLearnerTransport(LearnerTransport):
+    """Learner side: XADD deltas, HSET heartbeats, XREAD globals, GET snapshots."""
+
+    def __init__(
+        self,
+        url: str,
+        run_id: str,
+        learner_id: str,
+        num_fragments: int,
+        *,
+        max_message_bytes: int = 256 * 2**20,
+        max_unacked: int = 64,
+        delta_stream_maxlen: int = 10_000,
+        socket_timeout_s: float = 5.0,
+    ) -> None:
+        if num_fragments < 1:
+            raise ValueError(f"num_fragments must be >= 1, got {num_fragments}")
+        if max_unacked < 1:
+            raise ValueError(f"max_unacked must be >= 1, got {max_unacked}")
+        if delta_stream_maxlen < 1:
+            raise ValueError(f"delta_stream_maxlen must be >= 1, got {delta_stream_maxlen}")
+        if max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
+        if socket_timeout_s <= 0:
+            raise ValueError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
+        self.run_id = run_id
+        self.learner_id = learner_id
+        self.num_fragments = num_fragments
+        self.max_message_bytes = max_message_bytes
+        self.max_unacked = max_unacked
+        self.delta_stream_maxlen = delta_stream_maxlen
+        self.stats = TransportStats()
+        self.connection_errors = 0
+        self.heartbeats_dropped = 0
+        # A blocking read must end well before the socket timeout.
+        self._max_block_s = socket_timeout_s / 2
+        self._client = connect(url, socket_timeout_s)
+        self._stream_end_id = self._client.register_script(STREAM_END_ID)
+        self._reconnect = Reconnect(f"learner {learner_id}")
+        self._queue: deque[_QueuedDelta] = deque()
+        self._globals = globals_stream_key(run_id)
+        # Read position in the globals stream; None until the first snapshot or poll.
+        self._position: str | None = None
+        # Latest version per fragment; -1: known not to exist yet; missing: no base.
+        self._versions: dict[int, int] = {}
+
+    # -- deltas and heartbeats ----------------------------------------------
+    def send_delta(self, delta: Delta) -> None:
+        if delta.run_id != self.run_id:
+            raise ValueError(f"delta of run {delta.run_id!r} sent on run {self.run_id!r}")
+        if not 0 <= delta.fragment < self.num_fragments:
+            raise ValueError(f"fragment {delta.fragment} outside [0, {self.num_fragments})")
+        if len(self._queue) >= self.max_unacked:
+            self._send_queued()
+            if len(self._queue) >= self.max_unacked:
+                raise Backpressure(f"{len(self._queue)} deltas wait for redis")
+        frame = encode_bounded(delta, self.max_message_bytes)
+        self._queue.append(_QueuedDelta(delta_stream_key(self.run_id, delta.fragment), frame))
+        self._send_queued()
+
+    def _send_queued(self) -> None:
+        """XADD queued deltas in order until the queue is empty or redis fails."""
+        while self._queue and not self._reconnect.wait_s():
+            item = self._queue[0]
+            try:
+                self._client.xadd(
+                    item.stream,
+                    {FIELD: item.frame},
+                    maxlen=self.delta_stream_maxlen,
+                    approximate=True,
+                )
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                item.failed_attempts += 1
+                self._failed(e)
+                return
+            self._reconnect.succeeded()
+            self._queue.popleft()
+            self.stats.bytes_sent += len(item.frame)
+            self.stats.messages_sent += 1
+            if item.failed_attempts:
+                self.stats.resent += 1
+
+    def send_heartbeat(self, heartbeat: Heartbeat) -> None:
+        if heartbeat.run_id != self.run_id or heartbeat.learner_id != self.learner_id:
+            raise ValueError("heartbeat of another run or learner")
+        frame = encode_bounded(heartbeat, self.max_message_bytes)
+        if self._reconnect.wait_s():
+            self.heartbeats_dropped += 1
+            return
+        try:
+            self._client.hset(learners_key(self.run_id), self.learner_id, frame)
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            self.heartbeats_dropped += 1
+            self._failed(e)
+            return
+        self._reconnect.succeeded()
+        self.stats.bytes_sent += len(frame)
+        self.stats.messages_sent += 1
+
+    @property
+    def unacked(self) -> int:
+        return len(self._queue)
+
+    def _failed(self, error: Exception) -> None:
+        self.connection_errors += 1
+        self._reconnect.failed(error)
+
+    # -- globals --------------------------------------------------------------
+    def poll(self, timeout_s: float) -> list[GlobalFragment]:
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        # Queued deltas go out ahead of every read: poll() is what resends them.
+        return retry_until(
+            self._reconnect, deadline, self._read_globals, self._failed, before=self._send_queued
+        )
+
+    def _read_globals(self, deadline: float) -> list[GlobalFragment]:
+        if self._position is None:
+            return self._resync()
+        block_ms = read_block_ms(deadline, self._max_block_s)
+        streams: dict[KeyT, StreamIdT] = {self._globals: self._position}
+        reply = cast(
+            list[tuple[bytes, Entries]],
+            self._client.xread(
+                streams,
+                count=_GLOBALS_READ_COUNT,
+                block=block_ms,
+            ),
+        )
+        if not reply:
+            if block_ms is None:
+                sleep_tail(deadline)
+            return []
+        entries = reply[0][1]
+        # New entries arrived. Trimming drops the oldest entries first, so if the
+        # stream's first entry is now newer than our position, entries we never
+        # read may have been trimmed: fall back to the snapshot keys.
+        first_id = self._stream_end_id(keys=[self._globals], args=["first"])
+        if first_id is not None and parse_id(first_id) > parse_id(self._position):
+            log.info(
+                "learner %s: globals stream trimmed past %s; resyncing from snapshots",
+                self.learner_id,
+                self._position,
+            )
+            self.stats.bytes_received += sum(len(f.get(FIELD, b"")) for _, f in entries)
+            return self._resync()
+        return self._accept_globals(entries)
+
+    def _accept_globals(self, entries: Entries) -> list[GlobalFragment]:
+        """The next versions among ``entries``; snapshots for gaps. Moves the read
+        position and the versions only once nothing can fail any more, so that a
+        connection error reads the same entries again."""
+        found: list[GlobalFragment] = []
+        versions = dict(self._versions)
+        fetch: list[int] = []  # fragments with a gap or no base: take their snapshot
+        for _, fields in entries:
+            msg = self._check_global(fields.get(FIELD))
+            if msg is None or msg.fragment in fetch:
+                continue
+            known = versions.get(msg.fragment)
+            if known is not None and msg.version <= known:
+                continue
+            if known is not None and msg.version == known + 1:
+                versions[msg.fragment] = msg.version
+                found.append(msg)
+            else:
+                fetch.append(msg.fragment)
+        if fetch:
+            frames = self._client.mget([model_key(self.run_id, p) for p in fetch])
+            for p, g in self._get_models(fetch, frames).items():
+                if g.version > versions.get(p, -1):
+                    versions[p] = g.version
+                    found.append(g)
+        self._versions = versions
+        self._position = to_str(entries[-1][0])
+        return found
+
+    def _check_global(self, frame: Any) -> GlobalFragment | None:
+        msg = check_frame(frame, self.max_message_bytes, self.stats)
+        if msg is None:
+            return None
+        if not isinstance(msg, GlobalFragment):
+            self.stats.rejected["wrong_kind"] += 1
+        elif msg.run_id != self.run_id:
+            self.stats.rejected["wrong_run"] += 1
+        elif msg.fragment >= self.num_fragments:
+            self.stats.rejected["wrong_fragment"] += 1
+        else:
+            self.stats.messages_received += 1
+            return msg
+        return None
+
+    def _advance(self, msg: GlobalFragment) -> bool:
+        """Record ``msg``'s version; True if it is newer than what we had."""
+        known = self._versions.get(msg.fragment)
+        if known is not None and msg.version <= known:
+            return False
+        self._versions[msg.fragment] = msg.version
+        return True
+
+    def _get_models(self, fragments: list[int], frames: list[Any]) -> dict[int, GlobalFragment]:
+        found: dict[int, GlobalFragment] = {}
+        for p, frame in zip(fragments, frames, strict=True):
+            if frame is None:
+                continue
+            msg = self._check_global(frame)
+            if msg is None:
+                continue
+            if msg.fragment != p:
+                self.stats.rejected["wrong_fragment"] += 1
+                continue
+            found[p] = msg
+        return found
+
+    def _load_snapshots(self, fragments: list[int]) -> dict[int, GlobalFragment]:
+        """Read the snapshot keys and the globals stream's last id atomically.
+
+        Moves the read position to that id when there was none or when every
+        fragment was loaded: nothing published after the read is skipped, and
+        entries before it carry versions the snapshot already covers.
+        """
+        pipe = self._client.pipeline(transaction=True)
+        self._stream_end_id(keys=[self._globals], args=["last"], client=pipe)
+        pipe.mget([model_key(self.run_id, p) for p in fragments])
+        last_id, frames = pipe.execute()
+        found = self._get_models(fragments, frames)
+        if self._position is None or set(fragments) >= set(range(self.num_fragments)):
+            self._position = to_str(last_id) if last_id is not None else "0-0"
+        for p in fragments:
+            self._versions.setdefault(p, -1)
+        return found
+
+    def _resync(self) -> list[GlobalFragment]:
+        snapshots = self._load_snapshots(list(range(self.num_fragments)))
+        return [g for _, g in sorted(snapshots.items()) if self._advance(g)]
+
+    def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
+        bad = [p for p in fragments if not 0 <= p < self.num_fragments]
+        if bad:
+            raise ValueError(f"fragments {bad} outside [0, {self.num_fragments})")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            time.sleep(min(max(0.0, deadline - time.monotonic()), self._reconnect.wait_s()))
+            try:
+                found = self._load_snapshots(list(fragments))
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                self._failed(e)
+                if time.monotonic() >= deadline:
+                    raise TransportError(f"no snapshot within {timeout_s}s: {e}") from e
+                continue
+            self._reconnect.succeeded()
+            for g in found.values():
+                self._advance(g)
+            return found
+
+    def close(self) -> None:
+        if self._queue:
+            log.warning(
+                "learner %s: closing with %d undelivered deltas", self.learner_id, len(self._queue)
+            )
+        self._client.close()

@@ -1,0 +1,78 @@
+"""The run's shared settings: what learners, syncers and the launcher agree on.
+
+Each setting is defined here once, with its one default. Every service's config
+dataclass nests :class:`RunSettings`, and the command line maps each field onto
+the same flag (``--fragments``) and environment variable (``DDILOCO_FRAGMENTS``)
+for ``ddiloco local``, ``ddiloco learner``, ``ddiloco syncer`` and the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.codecs import Codec
+from broker.config_checks import check_id, check_positive, require
+from broker.connect import parse_url
+
+NO_BROKER = "none"  # the url of learners that have no syncer (data parallel under torchrun)
+
+
+def default_quorum(learners: int) -> int:
+    """K when none is given: all but one of M learners, so one straggler or one dead
+    learner never holds a round up (and at least 1)."""
+    return max(1, learners - 1)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    run_id: str = "default"
+    # Where the broker is. ZeroMQ: learners connect to every endpoint
+    # (zmq://host:port[,host:port...]; fragment p belongs to endpoint p mod n),
+    # a syncer binds its one endpoint. Redis: redis://, rediss:// or unix://.
+    # Backend options travel as query parameters (zmq://h:5555?ack_timeout_s=2).
+    url: str = "zmq://127.0.0.1:5555"
+    learners: int = 4  # M
+    quorum: int = 0  # K deltas that close a round; 0: default_quorum(M)
+    fragments: int = 4  # P
+    sync_every: int = 12  # H, a multiple of P (chosen by measurement: benchmarks/README.md)
+    overlap: int = 2  # tau: steps between sending a fragment and expecting its global
+    steps: int = 300  # inner steps per learner
+    heartbeat_timeout_s: float = 5.0  # a learner is live while heard from within this
+    delta_codec: Codec = Codec("int8")  # learner -> syncer
+    global_codec: Codec = Codec("fp32")  # syncer -> learners
+    initial_model: str = "initial-model.safetensors"  # written by `ddiloco init`
+
+    def __post_init__(self) -> None:
+        check_id("run_id", self.run_id)
+        require(isinstance(self.url, str), f"url={self.url!r}: must be text")
+        if self.url != NO_BROKER:
+            parse_url(self.url)  # its ValueError names the url and what to change
+        for name in ("learners", "fragments", "sync_every", "steps"):
+            require(type(getattr(self, name)) is int, f"{name} must be an integer")
+            check_positive(name, getattr(self, name))
+        for name in ("quorum", "overlap"):
+            require(type(getattr(self, name)) is int, f"{name} must be an integer")
+            check_positive(name, getattr(self, name), allow_zero=True)
+        require(
+            self.quorum <= self.learners,
+            f"quorum={self.quorum}: at most learners={self.learners} (0: all but one)",
+        )
+        require(
+            self.sync_every % self.fragments == 0,
+            f"sync_every={self.sync_every} must be a multiple of fragments={self.fragments}",
+        )
+        require(
+            self.overlap < self.sync_every,
+            f"overlap={self.overlap} must be smaller than sync_every={self.sync_every}",
+        )
+        check_positive("heartbeat_timeout_s", self.heartbeat_timeout_s)
+        for name in ("delta_codec", "global_codec"):
+            require(
+                isinstance(getattr(self, name), Codec),
+                f"{name}={getattr(self, name)!r}: give a codec such as int8 or int4+zstd",
+            )
+        require(bool(self.initial_model), "initial_model: give a file path")
+
+    @property
+    def effective_quorum(self) -> int:
+        return self.quorum or default_quorum(self.learners)

@@ -1,0 +1,100 @@
+"""The evaluator: follows the global model like a learner and reports held-out loss.
+
+It joins with a snapshot of every fragment, applies globals as they arrive,
+and evaluates every ``eval_every_s`` seconds. It never sends deltas or
+heartbeats, so the syncer never counts it as a learner. When asked to stop
+(SIGTERM) it takes one last snapshot, so the final figure is the model the
+syncer holds at the end of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from broker.connect import connect_learner
+from broker.files import EventLog
+from broker.fragments import FragmentPlan
+from broker.transport import LearnerTransport, TransportError
+from learner.config import EvaluatorConfig
+from learner.data import eval_batches, evaluate, load_corpus
+from learner.fragment_sync import FragmentSync
+from learner.worker import decode_global, join_snapshot
+from learner.workload import build_model
+
+log = logging.getLogger(__name__)
+EVALUATOR_ID = "evaluator"
+
+
+class Evaluator:
+    def __init__(self, cfg: EvaluatorConfig, transport: LearnerTransport | None = None) -> None:
+        self.cfg = cfg
+        torch.set_num_threads(cfg.torch_threads)
+        self.model = build_model(cfg.workload)
+        self.plan = FragmentPlan.for_model(self.model, cfg.run.fragments, cfg.run.sync_every)
+        self.params = dict(self.model.named_parameters())
+        self.fragments = FragmentSync(self.plan, cfg.run.overlap, flush_before_overwrite=False)
+        model_cfg = cfg.workload.model
+        corpus = load_corpus(cfg.workload.data, model_cfg.vocab_size, model_cfg.seq_len)
+        self.batches = eval_batches(
+            corpus.val, model_cfg.seq_len, cfg.eval.eval_batch_size, cfg.eval.eval_batches
+        )
+        self.events = EventLog(cfg.metrics_file, source=EVALUATOR_ID)
+        self.stop_requested = threading.Event()
+        self.losses: list[float] = []
+        self.transport = transport or connect_learner(
+            cfg.run.url,
+            run_id=cfg.run.run_id,
+            learner_id=EVALUATOR_ID,
+            incarnation=time.time_ns(),
+            num_fragments=cfg.run.fragments,
+        )
+
+    def _catch_up(self, timeout_s: float) -> None:
+        """Apply the globals that arrived within ``timeout_s``."""
+        for g in self.transport.poll(timeout_s):
+            decoded = decode_global(g, self.plan)
+            if isinstance(decoded, str):
+                log.warning("refused global %d v%d: %s", g.fragment, g.version, decoded)
+            elif self.fragments.is_newer(decoded[0], decoded[1]):
+                self.fragments.apply(*decoded, self.params)
+
+    def _load_snapshot(self, timeout_s: float) -> None:
+        for p, version, flat in join_snapshot(self.transport, self.plan, timeout_s):
+            if self.fragments.is_newer(p, version):
+                self.fragments.apply(p, version, flat, self.params)
+
+    def evaluate(self, final: bool = False) -> float:
+        loss = evaluate(self.model, self.batches)
+        self.losses.append(loss)
+        versions = self.fragments.versions()
+        self.events.write("eval", loss=loss, versions=versions, final=final)
+        log.info("eval loss %.4f at versions %s", loss, versions)
+        return loss
+
+    def run(self, max_seconds: float | None = None) -> list[float]:
+        """Evaluate until stopped (or for ``max_seconds``); returns every loss."""
+        self._load_snapshot(self.cfg.join_timeout_s)
+        self.evaluate()
+        period = self.cfg.eval.eval_every_s
+        started = time.monotonic()
+        next_eval = started + period if period else None
+        while not self.stop_requested.is_set():
+            now = time.monotonic()
+            if max_seconds is not None and now - started >= max_seconds:
+                break
+            self._catch_up(0.2)
+            if next_eval is not None and time.monotonic() >= next_eval:
+                self.evaluate()
+                next_eval = time.monotonic() + period
+        try:
+            self._load_snapshot(timeout_s=10.0)
+        except (TimeoutError, TransportError) as e:
+            log.warning("no final snapshot (%s); evaluating the last globals received", e)
+        self.evaluate(final=True)
+        self.transport.close()
+        self.events.close()
+        return self.losses

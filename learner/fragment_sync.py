@@ -1,0 +1,81 @@
+"""A learner's per-fragment bookkeeping, with no I/O: pure over tensors and numbers.
+
+For each fragment: the global it started from (``base`` and ``base_version``)
+and the progress made since (``c_steps``, ``c_tokens``), which is what a delta
+reports. Globals are applied at step boundaries only; a global that would
+overwrite progress not sent yet is flushed first (the syncer rebases it onto
+the new version, so a round that closed without this learner loses nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from broker.fragments import FragmentPlan
+
+
+class FragmentSync:
+    def __init__(self, plan: FragmentPlan, overlap: int, flush_before_overwrite: bool) -> None:
+        self.plan = plan
+        self.overlap = overlap
+        self.flush_before_overwrite = flush_before_overwrite
+        self.base: dict[int, torch.Tensor] = {}  # the global each fragment started from
+        self.base_version: dict[int, int] = {}
+        self.c_steps = [0] * plan.num_fragments
+        self.c_tokens = [0] * plan.num_fragments
+        self.last_sent_step: dict[int, int] = {}
+
+    def trained(self, tokens: int) -> None:
+        """One inner step on ``tokens`` tokens moved every fragment."""
+        for p in range(self.plan.num_fragments):
+            self.c_steps[p] += 1
+            self.c_tokens[p] += tokens
+
+    def has_progress(self, p: int) -> bool:
+        return self.c_steps[p] > 0 and p in self.base
+
+    def delta(self, p: int, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The pseudo-gradient Theta_p(base) - theta_p, flat fp32 on the CPU."""
+        return self.base[p] - self.plan.flatten(params, p)
+
+    def sent(self, p: int, step: int) -> None:
+        self.last_sent_step[p] = step
+
+    def versions(self) -> list[int]:
+        """Each fragment's base version (-1: none yet), for progress reports."""
+        return [self.base_version.get(p, -1) for p in range(self.plan.num_fragments)]
+
+    def is_newer(self, p: int, version: int) -> bool:
+        return version > self.base_version.get(p, -1)
+
+    def must_flush(self, p: int, step: int) -> bool:
+        """Whether applying a new global of ``p`` now would erase progress worth sending.
+
+        Progress sent in the last ``2 * overlap`` steps is still on its way into
+        a round; more than that, unsent, would be lost by the overwrite.
+        """
+        unsent = min(self.c_steps[p], step - self.last_sent_step.get(p, -(10**9)))
+        return self.flush_before_overwrite and unsent > 2 * self.overlap
+
+    def apply(
+        self,
+        p: int,
+        version: int,
+        flat: torch.Tensor,
+        params: Mapping[str, torch.Tensor],
+        mix_alpha: float = 0.0,
+    ) -> None:
+        """Overwrite (or mix into) the fragment's parameters; it becomes the new base."""
+        with torch.no_grad():
+            for name, tensor in self.plan.unflatten(flat, p).items():
+                param = params[name]
+                if mix_alpha:
+                    param.mul_(mix_alpha).add_(tensor.to(param.dtype), alpha=1 - mix_alpha)
+                else:
+                    param.copy_(tensor)
+        self.base[p] = flat.clone()
+        self.base_version[p] = version
+        self.c_steps[p] = 0
+        self.c_tokens[p] = 0

@@ -1,0 +1,246 @@
+"""The learner's own logic, without a network: fragment bookkeeping, flush before
+overwrite, error feedback, and globals applied only at step boundaries.
+
+The last tests drive a real :class:`Learner` through an in-memory transport: a
+unit test of the learner's decisions, not of any transport (those have their
+own tests against real sockets and a real Redis).
+"""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+from broker.codecs import Codec
+from broker.fragments import FragmentPlan, ParamSpec
+from broker.settings import RunSettings
+from broker.transport import LearnerTransport, TransportStats
+from broker.wire import Delta, GlobalFragment, Heartbeat
+from learner.comm import CommThread, DeltaEncoder, OutgoingDelta
+from learner.config import LearnerConfig, TrainConfig, WorkloadConfig
+from learner.fragment_sync import FragmentSync
+from learner.model import ModelConfig
+from learner.worker import Learner
+
+torch.set_num_threads(1)
+
+PLAN = FragmentPlan.build(
+    [ParamSpec("a", (4,), "float32"), ParamSpec("b", (2, 3), "float32")], 2, sync_every=4
+)
+
+
+def params() -> dict[str, torch.Tensor]:
+    return {"a": torch.arange(4.0), "b": torch.ones(2, 3)}
+
+
+# -- fragment bookkeeping ---------------------------------------------------------------
+def test_progress_counts_and_the_delta_is_base_minus_current() -> None:
+    sync = FragmentSync(PLAN, overlap=1, flush_before_overwrite=True)
+    p = params()
+    for frag in range(2):
+        sync.apply(frag, 3, PLAN.flatten(p, frag), p)
+    assert not sync.has_progress(0)
+    sync.trained(100)
+    sync.trained(50)
+    assert sync.c_steps == [2, 2] and sync.c_tokens == [150, 150]
+    frag_a = PLAN.owner[0]
+    p["a"] -= 0.5
+    delta = sync.delta(frag_a, p)
+    names = [s.name for s in PLAN.fragment_specs(frag_a)]
+    expected = torch.cat([torch.full((4,), 0.5) if n == "a" else torch.zeros(6) for n in names])
+    assert torch.equal(delta, expected)
+
+
+def test_apply_overwrites_resets_counters_and_records_the_version() -> None:
+    sync = FragmentSync(PLAN, overlap=1, flush_before_overwrite=True)
+    p = params()
+    sync.trained(10)
+    new = torch.full((PLAN.fragment_numel(0),), 7.0)
+    assert sync.is_newer(0, 0)
+    sync.apply(0, 5, new, p)
+    assert sync.base_version[0] == 5 and not sync.is_newer(0, 5) and sync.is_newer(0, 6)
+    assert sync.c_steps[0] == 0 and sync.c_tokens[0] == 0
+    assert sync.c_steps[1] == 1  # the other fragment keeps its progress
+    assert torch.equal(PLAN.flatten(p, 0), new)
+    new[0] = -1.0  # the base is a copy, not the caller's tensor
+    assert sync.base[0][0] == 7.0
+
+
+def test_mixing_keeps_alpha_of_the_local_weights() -> None:
+    sync = FragmentSync(PLAN, overlap=1, flush_before_overwrite=True)
+    p = params()
+    local = PLAN.flatten(p, 1)
+    glob = torch.full_like(local, 10.0)
+    sync.apply(1, 1, glob, p, mix_alpha=0.25)
+    assert torch.allclose(PLAN.flatten(p, 1), 0.25 * local + 0.75 * glob)
+    assert torch.equal(sync.base[1], glob)  # the delta is measured against the global
+
+
+@pytest.mark.parametrize(
+    ("trained", "sent_at", "flag", "expected"),
+    [
+        (5, None, True, True),  # 5 unsent steps > 2 * overlap (4): would be lost
+        (4, None, True, False),  # 4 steps are still within the overlap window
+        (5, 4, True, False),  # sent one step ago: in flight, nothing to flush
+        (9, 4, True, True),  # 5 steps since the last send
+        (5, None, False, False),  # the option is off
+    ],
+)
+def test_flush_before_overwrite(
+    trained: int, sent_at: int | None, flag: bool, expected: bool
+) -> None:
+    sync = FragmentSync(PLAN, overlap=2, flush_before_overwrite=flag)
+    p = params()
+    sync.apply(0, 0, PLAN.flatten(p, 0), p)
+    for _ in range(trained):
+        sync.trained(1)
+    if sent_at is not None:
+        sync.sent(0, sent_at)
+    assert sync.must_flush(0, step=trained) is expected
+
+
+# -- error feedback ----------------------------------------------------------------------
+def outgoing(delta: torch.Tensor, fragment: int = 0) -> OutgoingDelta:
+    return OutgoingDelta(delta, Delta(fragment=fragment))
+
+
+def test_error_feedback_delays_quantisation_error_and_never_loses_it() -> None:
+    """Sent so far == true so far - the one residual still held, exactly."""
+    codec = Codec.parse("int4")
+    encoder = DeltaEncoder(codec, error_feedback=True)
+    plain = DeltaEncoder(codec, error_feedback=False)
+    g = torch.Generator().manual_seed(0)
+    true_sum = torch.zeros(256)
+    sent_sum = torch.zeros(256)
+    plain_sum = torch.zeros(256)
+    for _ in range(20):
+        d = torch.randn(256, generator=g) * 0.01
+        true_sum += d
+        sent = encoder.encode(outgoing(d))
+        assert sent.codec == codec and sent.numel == 256
+        sent_sum += codec.decode(sent.payload, 256)
+        plain_sum += codec.decode(plain.encode(outgoing(d)).payload, 256)
+    residual = encoder._residual[0]
+    assert torch.allclose(sent_sum + residual, true_sum, atol=1e-6)
+    # The residual is one step's rounding error at most; without feedback the
+    # errors of all 20 steps add up.
+    assert (true_sum - sent_sum).norm() < 0.5 * (true_sum - plain_sum).norm()
+
+
+def test_error_feedback_is_per_fragment_and_off_for_fp32() -> None:
+    codec = Codec.parse("int8")
+    encoder = DeltaEncoder(codec, error_feedback=True)
+    encoder.encode(outgoing(torch.full((64,), 0.3) + torch.linspace(0, 1e-3, 64), fragment=0))
+    d1 = torch.linspace(-1, 1, 64)
+    first = codec.decode(encoder.encode(outgoing(d1, fragment=1)).payload, 64)
+    assert torch.equal(first, codec.decode(codec.encode(d1), 64))  # fragment 0's error stays
+    fp32 = DeltaEncoder(Codec(), error_feedback=True)
+    fp32.encode(outgoing(d1))
+    assert fp32._residual == {}
+
+
+# -- the learner at step boundaries ---------------------------------------------------------
+class InMemoryTransport(LearnerTransport):
+    """Hands the learner whatever globals the test puts in; keeps what it sends."""
+
+    def __init__(self) -> None:
+        self.stats = TransportStats()
+        self.latest: dict[int, GlobalFragment] = {}
+        self.deltas: list[Delta] = []
+
+    def send_delta(self, delta: Delta) -> None:
+        self.deltas.append(delta)
+
+    def send_heartbeat(self, heartbeat: Heartbeat) -> None:
+        pass
+
+    def poll(self, timeout_s: float) -> list[GlobalFragment]:
+        return []
+
+    def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
+        return {p: self.latest[p] for p in fragments if p in self.latest}
+
+    @property
+    def unacked(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+TINY = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)
+
+
+def make_learner() -> tuple[Learner, InMemoryTransport]:
+    run = RunSettings(run_id="unit", fragments=2, sync_every=4, overlap=1, steps=50)
+    cfg = LearnerConfig(
+        run=run, workload=WorkloadConfig(model=TINY), train=TrainConfig(batch_size=2)
+    )
+    transport = InMemoryTransport()
+    learner = Learner(cfg, transport)
+    for p in range(2):  # what the syncer would publish at start: the initial weights
+        transport.latest[p] = global_of(learner, p, 0, learner.plan.flatten(learner.params, p))
+    return learner, transport
+
+
+def global_of(learner: Learner, p: int, version: int, flat: torch.Tensor) -> GlobalFragment:
+    return GlobalFragment(
+        run_id="unit",
+        fragment=p,
+        plan_hash=learner.plan.plan_hash,
+        version=version,
+        codec=Codec(),
+        numel=flat.numel(),
+        payload=Codec().encode(flat),
+    )
+
+
+def test_a_global_that_would_erase_unsent_progress_is_flushed_first() -> None:
+    learner, transport = make_learner()
+    learner.join()
+    # The comm thread is not started: the test takes the deltas from its queue.
+    learner.comm = CommThread(transport, DeltaEncoder(Codec(), error_feedback=False))
+    with torch.no_grad():
+        for param in learner.model.parameters():
+            param.add_(0.01)  # as if five steps had trained
+    for _ in range(5):
+        learner.fragments.trained(32)
+    before = learner.plan.flatten(learner.params, 0)
+    new = torch.full((learner.plan.fragment_numel(0),), 0.5)
+    learner.comm._arrived[0] = global_of(learner, 0, 1, new)
+
+    learner._apply_arrived(step=5)
+
+    flushed = learner.comm._outbox.get_nowait()
+    assert flushed.meta.fragment == 0 and flushed.meta.base_version == 0
+    assert flushed.meta.c_steps == 5 and flushed.meta.c_tokens == 160
+    assert torch.allclose(flushed.delta, transport.latest[0].tensor() - before)
+    assert torch.equal(learner.plan.flatten(learner.params, 0), new)
+    assert learner.fragments.base_version == {0: 1, 1: 0}
+    with pytest.raises(queue.Empty):  # fragment 1 kept its progress and sent nothing
+        learner.comm._outbox.get_nowait()
+
+
+def test_globals_are_applied_only_between_steps_and_only_when_newer() -> None:
+    learner, transport = make_learner()
+    learner.join()
+    learner.comm = CommThread(transport, DeltaEncoder(Codec(), error_feedback=False))
+    new = torch.full((learner.plan.fragment_numel(1),), 0.25)
+    learner.comm._arrived[1] = global_of(learner, 1, 3, new)
+    # Arrived, but nothing changes until the loop reaches its step boundary.
+    assert not torch.equal(learner.plan.flatten(learner.params, 1), new)
+    learner._apply_arrived(step=1)
+    assert torch.equal(learner.plan.flatten(learner.params, 1), new)
+    # An older or equal version never goes back in time.
+    learner.comm._arrived[1] = global_of(learner, 1, 2, torch.zeros_like(new))
+    learner._apply_arrived(step=2)
+    assert torch.equal(learner.plan.flatten(learner.params, 1), new)
+    assert learner.fragments.base_version[1] == 3
+    # A global of another plan is refused and counted, never applied.
+    wrong = global_of(learner, 1, 9, torch.zeros_like(new))
+    learner.comm._arrived[1] = GlobalFragment(**{**wrong.__dict__, "plan_hash": "0" * 16})
+    learner._apply_arrived(step=3)
+    assert learner.globals_rejected == {"wrong_plan": 1}
+    assert learner.fragments.base_version[1] == 3
