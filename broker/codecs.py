@@ -47,6 +47,9 @@ class Codec:
             raise CodecError(f"unknown lossless stage {self.lossless!r}; choose one of {LOSSLESS}")
         if not 8 <= self.block_size <= 4096 or self.block_size % 2:
             raise CodecError(f"block_size must be even and in [8, 4096], got {self.block_size}")
+        if self.quant not in _QMAX and self.block_size != DEFAULT_BLOCK_SIZE:
+            # fp32 and bf16 have no blocks: one spelling, so equal codecs compare equal.
+            object.__setattr__(self, "block_size", DEFAULT_BLOCK_SIZE)
 
     @classmethod
     def parse(cls, spec: str) -> Codec:

@@ -35,15 +35,8 @@ def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
     require(ok, f"{name}={value!r}: must be {'>= 0' if allow_zero else '> 0'}")
 
 
-def check_endpoint(name: str, value: str) -> None:
+def check_int(name: str, value: int, minimum: int = 1) -> None:
     require(
-        isinstance(value, str) and bool(re.match(r"^tcp://[^:/]+:\d{1,5}$", value)),
-        f"{name}={value!r}: use tcp://HOST:PORT",
-    )
-
-
-def check_redis_url(name: str, value: str) -> None:
-    require(
-        isinstance(value, str) and value.startswith(("redis://", "rediss://", "unix://")),
-        f"{name}={value!r}: use redis://[user:password@]HOST:PORT/DB",
+        type(value) is int and value >= minimum,
+        f"{name}={value!r}: must be an integer >= {minimum}",
     )

@@ -16,11 +16,12 @@ import inspect
 import typing
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from broker.transport import LearnerTransport, SyncerTransport
 
 SCHEMES = ("zmq", "redis", "rediss", "unix")
+_REDIS_PY_OPTIONS_WE_SET = ("socket_timeout", "socket_connect_timeout")
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,17 @@ def parse_url(url: str) -> BrokerUrl:
             ours[key] = value
         elif backend == "zmq":
             raise ValueError(f"url={url!r}: unknown option {key!r}; known: {sorted(known)}")
+        elif key in _REDIS_PY_OPTIONS_WE_SET:
+            # redis-py would let these override the backend's own timeouts, which
+            # its blocking reads are sized against.
+            raise ValueError(f"url={url!r}: use socket_timeout_s instead of {key}")
         else:
             theirs.append((key, value))
     if backend == "redis":
-        redis_url = urlunsplit(parts._replace(query=urlencode(theirs)))
+        # Rebuilt from the text, not urlunsplit: that would turn unix:///path
+        # into unix:/path, which redis-py refuses.
+        base = url.split("#", 1)[0].split("?", 1)[0]
+        redis_url = base + ("?" + urlencode(theirs) if theirs else "")
         return BrokerUrl(backend, (redis_url,), ours)
     endpoints = []
     for hostport in parts.netloc.split(","):

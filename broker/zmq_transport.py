@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import zmq
 
 from broker import wire
+from broker.config_checks import check_positive, require
 from broker.transport import (
     Backpressure,
     Inbound,
@@ -58,6 +59,14 @@ def _socket(
     # bytes reach us, so one bad client cannot make us allocate without bound.
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + _FRAME_OVERHEAD)
     return sock
+
+
+def _check_options(**values: int) -> None:
+    """Integer options that come from a URL: whole numbers >= 1 (bytes: >= 1 KiB)."""
+    for name, value in values.items():
+        require(type(value) is int, f"{name}={value!r}: must be an integer")
+        least = 1024 if name.endswith("_bytes") else 1
+        require(value >= least, f"{name}={value}: must be >= {least}")
 
 
 def _decode(frame: bytes, max_message_bytes: int, stats: TransportStats) -> wire.Message | None:
@@ -95,6 +104,11 @@ class ZmqLearnerTransport(LearnerTransport):
     ) -> None:
         if not endpoints:
             raise ValueError("give at least one syncer endpoint")
+        _check_options(
+            max_message_bytes=max_message_bytes, max_unacked=max_unacked, send_hwm=send_hwm
+        )
+        check_positive("ack_timeout_s", ack_timeout_s)
+        require(math.isfinite(ack_timeout_s), f"ack_timeout_s={ack_timeout_s}: must be finite")
         self.run_id = run_id
         self.learner_id = learner_id
         self.incarnation = incarnation
@@ -271,6 +285,7 @@ class ZmqSyncerTransport(SyncerTransport):
         send_hwm: int = 1000,
         max_batch: int = 1000,
     ) -> None:
+        _check_options(max_message_bytes=max_message_bytes, max_batch=max_batch, send_hwm=send_hwm)
         self.run_id = run_id
         self.fragments = set(fragments)
         self.max_message_bytes = max_message_bytes

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from compose.cli_config import add_dataclass_args, dataclass_from_args
 from learner.config import EvaluatorConfig, InitConfig, LearnerConfig
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "local":
             return run_local(dataclass_from_args(LocalConfig, args))
         cls = SERVICES[args.command][0]
-        cfg = dataclass_from_args(cls, args)
+        cfg: Any = dataclass_from_args(cls, args)
         if isinstance(cfg, InitConfig):
             from learner.workload import write_initial
 

@@ -78,7 +78,7 @@ def _leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Any]]:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if _is_group(tp):
-            yield from _leaves(tp, prefix + f.metadata.get("flag_prefix", ""))  # type: ignore[arg-type]
+            yield from _leaves(tp, prefix + f.metadata.get("flag_prefix", ""))
         else:
             yield prefix + f.name, tp
 
@@ -115,8 +115,15 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
                 default = parse(os.environ[env])
             except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
                 raise ValueError(f"{env}={os.environ[env]!r}: {e}") from None
+        # A bare boolean flag (--no-progress) means true; --flag false says it outright.
+        flag_value = {"nargs": "?", "const": True} if tp is bool else {}
         parser.add_argument(
-            _flag(name), dest=name, type=parse, default=default, help=f"(env {env})"
+            _flag(name),
+            dest=name,
+            type=parse,
+            default=default,
+            help=f"(env {env})",
+            **flag_value,  # type: ignore[arg-type]
         )
 
 
@@ -133,7 +140,7 @@ def dataclass_from_args(
             kwargs[f.name] = dataclass_from_args(
                 tp,
                 values,
-                prefix + f.metadata.get("flag_prefix", ""),  # type: ignore[arg-type]
+                prefix + f.metadata.get("flag_prefix", ""),
             )
         elif prefix + f.name in values:
             kwargs[f.name] = values[prefix + f.name]

@@ -285,14 +285,14 @@ class LocalRun:
                 if any(e["event"] == "drained" for e in tail.read()):
                     break
                 time.sleep(0.05)
-        for proc in (evaluator, syncer):
-            if proc is None or proc.popen is None or not proc.alive():
+        for service in (evaluator, syncer):
+            if service is None or service.popen is None or not service.alive():
                 continue
-            proc.popen.send_signal(signal.SIGTERM)
+            service.popen.send_signal(signal.SIGTERM)
             try:
-                proc.popen.wait(timeout=STOP_TIMEOUT_S)
+                service.popen.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                proc.kill(self.events, "shutdown timeout")
+                service.kill(self.events, "shutdown timeout")
         for proc in self.learners + [p for p in (syncer, evaluator) if p is not None]:
             proc.close_files()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from broker.config_checks import check_id, check_positive, require
+from broker.config_checks import check_id, check_int, check_positive, require
 from broker.settings import RunSettings
 from learner.model import ModelConfig
 
@@ -26,7 +26,7 @@ class WorkloadConfig:
     seed: int = 0  # initial weights and data order
 
     def __post_init__(self) -> None:
-        require(type(self.seed) is int, "seed must be an integer")
+        require(type(self.seed) is int, f"seed={self.seed!r}: must be an integer")
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0: no clipping
 
     def __post_init__(self) -> None:
-        require(type(self.batch_size) is int, "batch_size must be an integer")
-        check_positive("batch_size", self.batch_size)
+        check_int("batch_size", self.batch_size)
+        check_int("warmup_steps", self.warmup_steps, minimum=0)
         check_positive("lr", self.lr)
-        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+        for name in ("weight_decay", "grad_clip"):
             check_positive(name, getattr(self, name), allow_zero=True)
         require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}: use [0, 1]")
 
@@ -62,8 +62,7 @@ class SyncConfig:
     def __post_init__(self) -> None:
         require(0 <= self.mix_alpha < 1, f"mix_alpha={self.mix_alpha}: use [0, 1)")
         check_positive("finish_timeout_s", self.finish_timeout_s, allow_zero=True)
-        require(type(self.sync_pause_every) is int, "sync_pause_every must be an integer")
-        check_positive("sync_pause_every", self.sync_pause_every, allow_zero=True)
+        check_int("sync_pause_every", self.sync_pause_every, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -77,8 +76,19 @@ class EvalConfig:
     def __post_init__(self) -> None:
         check_positive("eval_every_s", self.eval_every_s, allow_zero=True)
         for name in ("eval_batches", "eval_batch_size"):
-            require(type(getattr(self, name)) is int, f"{name} must be an integer")
-            check_positive(name, getattr(self, name))
+            check_int(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """What every learner-side process (learner, evaluator) needs to start."""
+
+    torch_threads: int = 1  # two cores shared by several processes: one thread each
+    join_timeout_s: float = 120.0  # wait this long for the syncer's snapshot at start
+
+    def __post_init__(self) -> None:
+        check_int("torch_threads", self.torch_threads)
+        check_positive("join_timeout_s", self.join_timeout_s)
 
 
 @dataclass
@@ -87,31 +97,28 @@ class LearnerConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    process: ProcessConfig = field(default_factory=ProcessConfig)
     learner_id: str = "learner-0"
     blocking: bool = False  # synchronous DiLoCo: wait for each fragment's new global
     shard: int = 0  # this learner's slice of the training data ...
     num_shards: int = 1  # ... out of this many
     slowdown: float = 1.0  # >= 1: each step takes this many times longer (emulated hardware)
-    join_timeout_s: float = 120.0  # wait this long for the syncer's snapshot at start
     state_dir: str | None = None  # progress file so a restarted learner resumes its schedule
     metrics_file: str | None = None  # JSON lines of progress
-    torch_threads: int = 1
     metrics_port: int = 0  # 0: no Prometheus endpoint
     log_every: int = 10
     eval_every: int = 0  # no syncer only: held-out loss every this many steps (0: start, end)
 
     def __post_init__(self) -> None:
         check_id("learner_id", self.learner_id)
-        for name in ("torch_threads", "log_every"):
-            require(type(getattr(self, name)) is int, f"{name} must be an integer")
-            check_positive(name, getattr(self, name))
-        for name in ("metrics_port", "eval_every"):
-            check_positive(name, getattr(self, name), allow_zero=True)
+        check_int("log_every", self.log_every)
+        check_int("num_shards", self.num_shards)
+        for name in ("metrics_port", "eval_every", "shard"):
+            check_int(name, getattr(self, name), minimum=0)
         require(
-            0 <= self.shard < self.num_shards,
+            self.shard < self.num_shards,
             f"shard={self.shard} must be in [0, num_shards={self.num_shards})",
         )
-        check_positive("join_timeout_s", self.join_timeout_s)
         require(self.slowdown >= 1, f"slowdown={self.slowdown}: use a factor >= 1")
 
 
@@ -122,14 +129,8 @@ class EvaluatorConfig:
     run: RunSettings = field(default_factory=RunSettings)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    join_timeout_s: float = 120.0
+    process: ProcessConfig = field(default_factory=ProcessConfig)
     metrics_file: str | None = None  # JSON lines of evaluations
-    torch_threads: int = 1
-
-    def __post_init__(self) -> None:
-        check_positive("join_timeout_s", self.join_timeout_s)
-        require(type(self.torch_threads) is int, "torch_threads must be an integer")
-        check_positive("torch_threads", self.torch_threads)
 
 
 @dataclass

@@ -32,7 +32,7 @@ EVALUATOR_ID = "evaluator"
 class Evaluator:
     def __init__(self, cfg: EvaluatorConfig, transport: LearnerTransport | None = None) -> None:
         self.cfg = cfg
-        torch.set_num_threads(cfg.torch_threads)
+        torch.set_num_threads(cfg.process.torch_threads)
         self.model = build_model(cfg.workload)
         self.plan = FragmentPlan.for_model(self.model, cfg.run.fragments, cfg.run.sync_every)
         self.params = dict(self.model.named_parameters())
@@ -77,7 +77,7 @@ class Evaluator:
 
     def run(self, max_seconds: float | None = None) -> list[float]:
         """Evaluate until stopped (or for ``max_seconds``); returns every loss."""
-        self._load_snapshot(self.cfg.join_timeout_s)
+        self._load_snapshot(self.cfg.process.join_timeout_s)
         self.evaluate()
         period = self.cfg.eval.eval_every_s
         started = time.monotonic()

@@ -20,8 +20,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model {name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"model {name} must be an integer >= 1, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(
                 f"model d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"

@@ -93,7 +93,7 @@ class Learner:
     def __init__(self, cfg: LearnerConfig, transport: LearnerTransport | None = None) -> None:
         self.cfg = cfg
         run = cfg.run
-        torch.set_num_threads(cfg.torch_threads)
+        torch.set_num_threads(cfg.process.torch_threads)
         self.group = TorchrunGroup()
         self.syncing = run.url != NO_BROKER
         if cfg.blocking and self.group.world > 1:
@@ -152,7 +152,7 @@ class Learner:
         """Load every fragment of the current global model before training."""
         arrived = []
         if self.transport is not None:
-            arrived = join_snapshot(self.transport, self.plan, self.cfg.join_timeout_s)
+            arrived = join_snapshot(self.transport, self.plan, self.cfg.process.join_timeout_s)
         for p, version, flat in self.group.share_globals(arrived, self.plan):
             self._apply(p, version, flat, mix_alpha=0.0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from broker.config_checks import check_choice, check_id, check_positive, require
+from broker.config_checks import check_choice, check_id, check_int, check_positive, require
 from broker.settings import RunSettings
 
 AGGREGATIONS = ("mean", "radial")
@@ -44,10 +44,11 @@ class SyncerConfig:
 
     def __post_init__(self) -> None:
         check_id("syncer_id", self.syncer_id)
-        check_positive("metrics_port", self.metrics_port, allow_zero=True)
+        check_int("metrics_port", self.metrics_port, minimum=0)
         if self.owned_fragments is not None:
             require(
                 len(self.owned_fragments) > 0
+                and len(set(self.owned_fragments)) == len(self.owned_fragments)
                 and all(0 <= p < self.run.fragments for p in self.owned_fragments),
                 f"owned_fragments={self.owned_fragments}: use indices in [0, {self.run.fragments})",
             )

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from broker.files import atomic_write
 from syncer.checkpoint import (
-    atomic_write,
     fragment_path,
     load_fragment,
     load_manifest,

@@ -351,7 +351,9 @@ def test_bad_value_names_field(cls: type, field: str, value: Any) -> None:
 
 def test_every_config_has_bad_values_in_the_table() -> None:
     covered = {cls for cls, _, _ in BAD_CASES}
-    assert [c.__name__ for c in ALL_CONFIGS if c not in covered] == ["InitConfig"]
+    # InitConfig and EvaluatorConfig have no setting of their own: only nested groups.
+    uncovered = [c.__name__ for c in ALL_CONFIGS if c not in covered]
+    assert uncovered == ["EvaluatorConfig", "InitConfig"]
 
 
 def test_cross_field_checks() -> None:
@@ -417,8 +419,6 @@ def test_flattened_names_are_unique(cls: type) -> None:
 PER_SERVICE = {
     "metrics_file": "each service writes its own JSON lines",
     "metrics_port": "each service serves its own Prometheus endpoint",
-    "torch_threads": "LearnerConfig and EvaluatorConfig each (same default, same use)",
-    "join_timeout_s": "LearnerConfig and EvaluatorConfig each (same default, same use)",
 }
 
 

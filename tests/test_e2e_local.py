@@ -21,13 +21,13 @@ from tests.servers import RedisServer
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = [
-    "--d-model",
+    "--model-d-model",
     "64",
-    "--n-layer",
+    "--model-n-layer",
     "2",
-    "--n-head",
+    "--model-n-head",
     "2",
-    "--seq-len",
+    "--model-seq-len",
     "64",
     "--fragments",
     "2",
@@ -80,7 +80,7 @@ def transport_args(transport: str, tmp_path: Path) -> tuple[list[str], RedisServ
         return [], None
     server = RedisServer(tmp_path / "redis")
     server.start()
-    return ["--transport", "redis", "--redis-url", server.url], server
+    return ["--url", server.url], server
 
 
 @pytest.fixture(params=["zmq", "redis"])
@@ -109,6 +109,13 @@ def test_four_learners_learn(tmp_path: Path, transport: list[str]) -> None:
     done = [e for e in events if e["event"] == "done"]
     assert sorted(e["learner"] for e in done) == [f"learner-{i}" for i in range(4)]
     assert all(e["steps"] == 80 for e in done)
+    # The evaluator followed the global model to its end: its final evaluation
+    # saw the versions the syncer held after merging the last deltas.
+    evals = [e for e in events if e["event"] == "eval"]
+    assert evals and all(e["source"] == "evaluator" for e in evals)
+    assert evals[-1]["final"] and summary["final_eval_loss"] == evals[-1]["loss"]
+    drained = [e for e in events if e["event"] == "drained"][-1]
+    assert evals[-1]["versions"] == [drained["versions"][str(p)] for p in range(2)]
     assert (tmp_path / "run" / "plots" / "loss_vs_tokens.png").stat().st_size > 0
     assert (tmp_path / "run" / "plots" / "timeline.png").stat().st_size > 0
 

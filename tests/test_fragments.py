@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.fragments import FragmentPlan, ParamSpec, assign_fragments, param_specs
+from broker.fragments import FragmentPlan, ParamSpec, assign_fragments, param_specs
 from learner.model import GPT, ModelConfig
 
 torch.set_num_threads(1)

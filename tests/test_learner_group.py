@@ -23,30 +23,33 @@ MODEL = [
     "2",
     "--model-seq-len",
     "64",
+]
+RUN = [
     "--fragments",
     "2",
     "--sync-every",
     "4",
     "--run-id",
     "grp",
+    "--learners",
+    "1",
 ]
 
 
 @pytest.mark.timeout(300)
 def test_two_rank_learner_group_trains_through_rank_zero(tmp_path: Path) -> None:
-    port = free_port_pair()
-    endpoint = f"tcp://127.0.0.1:{port}"
+    url = f"zmq://127.0.0.1:{free_port_pair()}"
+    # The syncer knows no model: it takes the run settings and the initial model file.
+    shared = [*RUN, "--url", url, "--initial-model", str(tmp_path / "initial.safetensors")]
+    init = [sys.executable, "-m", "compose.cli", "init", *MODEL, *shared]
+    subprocess.run(init, cwd=ROOT, check=True, capture_output=True, timeout=120)
     syncer = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "compose.cli",
             "syncer",
-            *MODEL,
-            "--zmq-bind",
-            endpoint,
-            "--quorum",
-            "1",
+            *shared,
             "--checkpoint-dir",
             str(tmp_path / "ck"),
             "--metrics-file",
@@ -72,8 +75,7 @@ def test_two_rank_learner_group_trains_through_rank_zero(tmp_path: Path) -> None
                 "compose.cli",
                 "learner",
                 *MODEL,
-                "--zmq-endpoints",
-                endpoint,
+                *shared,
                 "--learner-id",
                 "group-0",
                 "--steps",
