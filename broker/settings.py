@@ -25,21 +25,21 @@ def default_quorum(learners: int) -> int:
 
 @dataclass(frozen=True)
 class RunSettings:
-    run_id: str = "default"
+    run_id: str = "default"  # names the run's keys and messages; runs on one broker differ
     # Where the broker is. ZeroMQ: learners connect to every endpoint
     # (zmq://host:port[,host:port...]; fragment p belongs to endpoint p mod n),
     # a syncer binds its one endpoint. Redis: redis://, rediss:// or unix://.
     # Backend options travel as query parameters (zmq://h:5555?ack_timeout_s=2).
-    url: str = "zmq://127.0.0.1:5555"
-    learners: int = 4  # M
-    quorum: int = 0  # K deltas that close a round; 0: default_quorum(M)
-    fragments: int = 4  # P
+    url: str = "zmq://127.0.0.1:5555"  # the broker: zmq://HOST:PORT or redis://HOST:PORT/DB
+    learners: int = 4  # M, the learners of the run
+    quorum: int = 0  # K deltas that close a round; 0: M-1 (at least 1)
+    fragments: int = 4  # P, the fragments the model is cut into
     sync_every: int = 12  # H, a multiple of P (chosen by measurement: benchmarks/README.md)
     overlap: int = 2  # tau: steps between sending a fragment and expecting its global
     steps: int = 300  # inner steps per learner
     heartbeat_timeout_s: float = 5.0  # a learner is live while heard from within this
-    delta_codec: Codec = Codec("int8")  # learner -> syncer
-    global_codec: Codec = Codec("fp32")  # syncer -> learners
+    delta_codec: Codec = Codec("int8")  # learner -> syncer: fp32, bf16, int8, int4 [+zstd|+lz4]
+    global_codec: Codec = Codec("fp32")  # syncer -> learners, the same choices
     initial_model: str = "initial-model.safetensors"  # written by `ddiloco init`
 
     def __post_init__(self) -> None:

@@ -2,8 +2,8 @@
 
 Two backends implement it: :mod:`broker.zmq_transport`, and Redis Streams
 (:mod:`broker.redis_learner`, :mod:`broker.redis_syncer`, :mod:`broker.redis_common`).
-:func:`connect_learner` and :func:`connect_syncer` pick one from a config and
-nothing else in the code base asks which one it got.
+:func:`broker.connect.connect_learner` and :func:`broker.connect.connect_syncer`
+build one from a URL, and nothing else in the code base asks which one it got.
 
 Delivery contract
 -----------------

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
+import re
 import types
 import typing
 from collections.abc import Iterator
@@ -72,15 +74,30 @@ def _is_optional(tp: Any) -> bool:
     return typing.get_origin(tp) in (Union, types.UnionType)
 
 
-def _leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(flattened name, type) of every non-dataclass field, depth first."""
+_FIELD_COMMENT = re.compile(r"^\s+(\w+):[^#]*=[^#]*#\s*(.+)$")
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The comment after each field of a dataclass: its one description, reused as help."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    return {m[1]: m[2] for line in source.splitlines() if (m := _FIELD_COMMENT.match(line))}
+
+
+def _leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
+    """(flattened name, type, help) of every non-group field, depth first."""
     hints = typing.get_type_hints(cls)
+    comments = _field_comments(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if _is_group(tp):
             yield from _leaves(tp, prefix + f.metadata.get("flag_prefix", ""))
         else:
-            yield prefix + f.name, tp
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            shown = "" if default is dataclasses.MISSING else f"default {_text(default)}"
+            yield prefix + f.name, tp, "; ".join(x for x in (comments.get(f.name), shown) if x)
 
 
 def _flag(name: str) -> str:
@@ -91,7 +108,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add a flag for every (flattened) field of ``cls``; ``ValueError`` for a
     ``DDILOCO_*`` variable that does not parse."""
     seen: set[str] = set()
-    for name, tp in _leaves(cls):
+    for name, tp, description in _leaves(cls):
         if name in seen:
             raise TypeError(f"{cls.__name__}: two settings flatten to --{name}")
         seen.add(name)
@@ -122,7 +139,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
             dest=name,
             type=parse,
             default=default,
-            help=f"(env {env})",
+            help=f"{description} (env {env})".strip().replace("%", "%%"),
             **flag_value,  # type: ignore[arg-type]
         )
 

@@ -1,4 +1,6 @@
-"""``ddiloco local``: the main job. A syncer and M learners as local processes.
+"""``ddiloco local``: the main job. A syncer, an evaluator and M learners as local
+processes, started from an initial model that the launcher writes first (what
+``ddiloco init`` does).
 
 No server to install: by default they talk ZeroMQ over loopback. The launcher
 shows live progress, optionally kills learners on a Poisson schedule
@@ -7,6 +9,7 @@ folder (``--out``):
 
     summary.json       what happened, in numbers (see compose.report.summarise)
     metrics.jsonl      every event of every process, merged in time order
+    initial-model.safetensors   the run's start: weights and fragment plan
     checkpoint/        the syncer's atomic per-fragment checkpoints
     plots/             loss against tokens; per-learner timeline with kills
     logs/              each process's stderr
@@ -70,7 +73,7 @@ class LocalConfig:
     restart_s: float = 5.0  # delay before a killed process restarts
     kill_syncer_at_s: float = 0.0  # SIGKILL the syncer once, this many s in; 0: never
     kill_learner_at_s: float = 0.0  # SIGKILL learner-0 once, this many s in; 0: never
-    slowdown: tuple[float, ...] = ()  # per-learner step-time factors, e.g. 1,1,1.5,2; (): all 1
+    slowdown: tuple[float, ...] = ()  # per-learner step-time factors, e.g. 1,1,1.5,2; empty: 1
     no_progress: bool = False  # plain log lines instead of a live table
 
     def __post_init__(self) -> None:
@@ -153,6 +156,7 @@ class LocalRun:
 
     def learner_proc(self, i: int) -> Proc:
         name = f"learner-{i}"
+        steps = self.run_settings.steps
         cfg = LearnerConfig(
             run=self.run_settings,
             workload=self.cfg.workload,
@@ -166,7 +170,10 @@ class LocalRun:
             state_dir=str(self.out / "state"),
             metrics_file=str(self.out / "learners" / f"{name}.jsonl"),
             log_every=5,  # a finer curve than the default
-            eval_every=max(1, self.run_settings.steps // 10) if self.mode == "ddp" else 0,
+            # Data parallel has no evaluator: the learners report ten points of the curve.
+            eval=dataclasses.replace(self.cfg.eval, eval_every=max(1, steps // 10))
+            if self.mode == "ddp"
+            else self.cfg.eval,
         )
         env: dict[str, str] = {}
         if self.mode == "ddp":

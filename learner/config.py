@@ -70,11 +70,13 @@ class EvalConfig:
     """Held-out evaluation of the global model."""
 
     eval_every_s: float = 10.0  # the evaluator's period; 0: only at start and end
+    eval_every: int = 0  # a learner without a syncer evaluates every this many steps; 0: ends
     eval_batches: int = 8
     eval_batch_size: int = 16
 
     def __post_init__(self) -> None:
         check_positive("eval_every_s", self.eval_every_s, allow_zero=True)
+        check_int("eval_every", self.eval_every, minimum=0)
         for name in ("eval_batches", "eval_batch_size"):
             check_int(name, getattr(self, name))
 
@@ -97,6 +99,7 @@ class LearnerConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     process: ProcessConfig = field(default_factory=ProcessConfig)
     learner_id: str = "learner-0"
     blocking: bool = False  # synchronous DiLoCo: wait for each fragment's new global
@@ -107,13 +110,12 @@ class LearnerConfig:
     metrics_file: str | None = None  # JSON lines of progress
     metrics_port: int = 0  # 0: no Prometheus endpoint
     log_every: int = 10
-    eval_every: int = 0  # no syncer only: held-out loss every this many steps (0: start, end)
 
     def __post_init__(self) -> None:
         check_id("learner_id", self.learner_id)
         check_int("log_every", self.log_every)
         check_int("num_shards", self.num_shards)
-        for name in ("metrics_port", "eval_every", "shard"):
+        for name in ("metrics_port", "shard"):
             check_int(name, getattr(self, name), minimum=0)
         require(
             self.shard < self.num_shards,

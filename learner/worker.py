@@ -109,7 +109,9 @@ class Learner:
         self.incarnation = max(time.time_ns(), last_incarnation + 1)
         model_cfg = cfg.workload.model
         corpus = load_corpus(cfg.workload.data, model_cfg.vocab_size, model_cfg.seq_len)
-        self.eval_set = eval_batches(corpus.val, model_cfg.seq_len, 16, 8)
+        self.eval_set = eval_batches(
+            corpus.val, model_cfg.seq_len, cfg.eval.eval_batch_size, cfg.eval.eval_batches
+        )
         shard = cfg.shard * self.group.world + self.group.rank
         self.sampler = BatchSampler(
             corpus.train,
@@ -307,7 +309,7 @@ class Learner:
                 )
                 self.progress.save(step, self.tokens, self.incarnation)
                 window_start, window_steps = time.perf_counter(), 0
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
+            if cfg.eval.eval_every and step % cfg.eval.eval_every == 0 and step != steps:
                 self._evaluate(step)
         self.events.write("train_end", step=steps)
         self._evaluate(steps)
