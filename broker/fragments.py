@@ -35,6 +35,28 @@ class ParamSpec:
         return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
 
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
+
+
+def synced_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The parameters a plan covers, by their plain names.
+
+    Trainable parameters only: a frozen one is never sent or changed. Tied
+    parameters (one tensor under two names) appear once, under the first name,
+    as ``named_parameters`` gives them. A model wrapped in
+    DistributedDataParallel (or compiled) maps to the same names as the bare
+    model, so wrapped and unwrapped learners share one plan.
+    """
+    out: dict[str, torch.nn.Parameter] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        while name.startswith(_WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        out[name] = param
+    return out
+
+
 def param_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
     """Specs of a model's parameters, e.g. ``param_specs(model.named_parameters())``."""
     return [
@@ -108,7 +130,9 @@ class FragmentPlan:
     def for_model(
         cls, model: torch.nn.Module, num_fragments: int, sync_every: int | None = None
     ) -> FragmentPlan:
-        return cls.build(param_specs(model.named_parameters()), num_fragments, sync_every)
+        return cls.build(
+            param_specs(synced_parameters(model).items()), num_fragments, sync_every
+        )
 
     # -- structure -------------------------------------------------------
     def fragment_specs(self, fragment: int) -> list[ParamSpec]:

@@ -161,9 +161,9 @@ class LocalRun:
             run=self.run_settings,
             workload=self.cfg.workload,
             train=self.cfg.train,
-            sync=self.cfg.sync,
+            # Synchronous DiLoCo: each learner waits for each fragment's new global.
+            sync=dataclasses.replace(self.cfg.sync, blocking=self.mode == "diloco"),
             learner_id=name,
-            blocking=self.mode == "diloco",
             shard=0 if self.mode == "ddp" else i,  # data parallel: torchrun ranks shard
             num_shards=1 if self.mode == "ddp" else self.m,
             slowdown=self.cfg.slowdown[i] if self.cfg.slowdown else 1.0,

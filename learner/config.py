@@ -16,16 +16,24 @@ from broker.config_checks import check_id, check_int, check_positive, require
 from broker.settings import RunSettings
 from learner.model import ModelConfig
 
+DEFAULT_WORKLOAD = "learner.workload:byte_gpt"
+
 
 @dataclass(frozen=True)
 class WorkloadConfig:
     """What is trained: the model, its data and the seed of both."""
 
+    workload: str = DEFAULT_WORKLOAD  # module:factory returning a learner.workload.Workload
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"flag_prefix": "model_"})
     data: str | None = None  # text or token file; None: the Python standard library
     seed: int = 0  # initial weights and data order
 
     def __post_init__(self) -> None:
+        module, sep, attr = self.workload.partition(":")
+        require(
+            bool(sep and module and attr),
+            f"workload={self.workload!r}: use module:factory, e.g. {DEFAULT_WORKLOAD}",
+        )
         require(type(self.seed) is int, f"seed={self.seed!r}: must be an integer")
 
 
@@ -58,6 +66,7 @@ class SyncConfig:
     mix_alpha: float = 0.0  # 0: overwrite with the global; else alpha*local + (1-alpha)*global
     finish_timeout_s: float = 10.0  # at the end, wait this long for the last deltas' acks
     sync_pause_every: int = 0  # measurement aid: sync pauses in the 2nd half of every 2N steps
+    blocking: bool = False  # synchronous DiLoCo: wait for each fragment's new global
 
     def __post_init__(self) -> None:
         require(0 <= self.mix_alpha < 1, f"mix_alpha={self.mix_alpha}: use [0, 1)")
@@ -102,7 +111,7 @@ class LearnerConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     process: ProcessConfig = field(default_factory=ProcessConfig)
     learner_id: str = "learner-0"
-    blocking: bool = False  # synchronous DiLoCo: wait for each fragment's new global
+    resume_optimizer: bool = False  # keep the inner optimizer's state across restarts
     shard: int = 0  # this learner's slice of the training data ...
     num_shards: int = 1  # ... out of this many
     slowdown: float = 1.0  # >= 1: each step takes this many times longer (emulated hardware)

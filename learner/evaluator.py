@@ -17,13 +17,12 @@ import torch
 
 from broker.connect import connect_learner
 from broker.files import EventLog
-from broker.fragments import FragmentPlan
+from broker.fragments import FragmentPlan, synced_parameters
 from broker.transport import LearnerTransport, TransportError
 from learner.config import EvaluatorConfig
-from learner.data import eval_batches, evaluate, load_corpus
 from learner.fragment_sync import FragmentSync
-from learner.worker import decode_global, join_snapshot
-from learner.workload import build_model
+from learner.join import decode_global, join_snapshot
+from learner.workload import WorkloadContext, load_workload
 
 log = logging.getLogger(__name__)
 EVALUATOR_ID = "evaluator"
@@ -33,15 +32,14 @@ class Evaluator:
     def __init__(self, cfg: EvaluatorConfig, transport: LearnerTransport | None = None) -> None:
         self.cfg = cfg
         torch.set_num_threads(cfg.process.torch_threads)
-        self.model = build_model(cfg.workload)
+        workload = load_workload(WorkloadContext(cfg.workload, eval=cfg.eval))
+        if workload.evaluate is None:
+            raise ValueError(f"workload={cfg.workload.workload!r} has no evaluate function")
+        self._evaluate = workload.evaluate
+        self.model = workload.model
         self.plan = FragmentPlan.for_model(self.model, cfg.run.fragments, cfg.run.sync_every)
-        self.params = dict(self.model.named_parameters())
+        self.params = synced_parameters(self.model)
         self.fragments = FragmentSync(self.plan, cfg.run.overlap, flush_before_overwrite=False)
-        model_cfg = cfg.workload.model
-        corpus = load_corpus(cfg.workload.data, model_cfg.vocab_size, model_cfg.seq_len)
-        self.batches = eval_batches(
-            corpus.val, model_cfg.seq_len, cfg.eval.eval_batch_size, cfg.eval.eval_batches
-        )
         self.events = EventLog(cfg.metrics_file, source=EVALUATOR_ID)
         self.stop_requested = threading.Event()
         self.losses: list[float] = []
@@ -68,7 +66,7 @@ class Evaluator:
                 self.fragments.apply(p, version, flat, self.params)
 
     def evaluate(self, final: bool = False) -> float:
-        loss = evaluate(self.model, self.batches)
+        loss = self._evaluate(self.model)
         self.losses.append(loss)
         versions = self.fragments.versions()
         self.events.write("eval", loss=loss, versions=versions, final=final)

@@ -14,9 +14,15 @@ from broker.initial_model import read_initial_model, write_initial_model
 from broker.settings import RunSettings
 from learner.config import WorkloadConfig
 from learner.model import ModelConfig
-from learner.workload import build_model, write_initial
+from learner.workload import WorkloadContext, load_workload, write_initial
 
 torch.set_num_threads(1)
+
+
+def build_model(workload: WorkloadConfig) -> torch.nn.Module:
+    return load_workload(WorkloadContext(workload)).model
+
+
 TINY = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)
 
 

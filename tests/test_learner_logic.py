@@ -15,14 +15,14 @@ import torch
 
 from broker.codecs import Codec
 from broker.fragments import FragmentPlan, ParamSpec
-from broker.settings import RunSettings
 from broker.transport import LearnerTransport, TransportStats
 from broker.wire import Delta, GlobalFragment, Heartbeat
 from learner.comm import CommThread, DeltaEncoder, OutgoingDelta
-from learner.config import LearnerConfig, TrainConfig, WorkloadConfig
+from learner.config import WorkloadConfig
 from learner.fragment_sync import FragmentSync
+from learner.library import DecoupledDiLoCo
 from learner.model import ModelConfig
-from learner.worker import Learner
+from learner.workload import WorkloadContext, load_workload
 
 torch.set_num_threads(1)
 
@@ -173,19 +173,18 @@ class InMemoryTransport(LearnerTransport):
 TINY = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)
 
 
-def make_learner() -> tuple[Learner, InMemoryTransport]:
-    run = RunSettings(run_id="unit", fragments=2, sync_every=4, overlap=1, steps=50)
-    cfg = LearnerConfig(
-        run=run, workload=WorkloadConfig(model=TINY), train=TrainConfig(batch_size=2)
-    )
+def make_learner() -> tuple[DecoupledDiLoCo, InMemoryTransport]:
+    model = load_workload(WorkloadContext(WorkloadConfig(model=TINY))).model
     transport = InMemoryTransport()
-    learner = Learner(cfg, transport)
+    learner = DecoupledDiLoCo(
+        model, run_id="unit", fragments=2, sync_every=4, overlap=1, transport=transport
+    )
     for p in range(2):  # what the syncer would publish at start: the initial weights
         transport.latest[p] = global_of(learner, p, 0, learner.plan.flatten(learner.params, p))
     return learner, transport
 
 
-def global_of(learner: Learner, p: int, version: int, flat: torch.Tensor) -> GlobalFragment:
+def global_of(learner: DecoupledDiLoCo, p: int, version: int, flat: torch.Tensor) -> GlobalFragment:
     return GlobalFragment(
         run_id="unit",
         fragment=p,
@@ -206,7 +205,7 @@ def test_a_global_that_would_erase_unsent_progress_is_flushed_first() -> None:
         for param in learner.model.parameters():
             param.add_(0.01)  # as if five steps had trained
     for _ in range(5):
-        learner.fragments.trained(32)
+        learner.fragments.trained(32)  # as sync.step(weight=32) would count
     before = learner.plan.flatten(learner.params, 0)
     new = torch.full((learner.plan.fragment_numel(0),), 0.5)
     learner.comm._arrived[0] = global_of(learner, 0, 1, new)

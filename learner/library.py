@@ -1,0 +1,366 @@
+"""Decoupled DiLoCo for any PyTorch model, in the user's own training loop.
+
+    with DecoupledDiLoCo(model, url="zmq://syncer:5555", fragments=4,
+                         sync_every=12, delta_codec="int4") as sync:
+        for batch in loader:
+            loss = ...; loss.backward(); opt.step(); opt.zero_grad()
+            sync.step(weight=n)   # once per optimizer step; never blocks
+
+Entering the context joins the run: it loads the current global model (or,
+with ``load_global=False``, keeps the weights as given). ``step()`` then does
+the three things decoupled DiLoCo adds to a training step: apply the globals
+that arrived, hand the fragments that are due to the comm thread, send a
+heartbeat. Leaving the context, even through an exception, sends the
+remaining progress and stops the threads.
+
+Decisions, each tested (``tests/test_library.py``):
+
+* The inner optimizer's state is kept when a global overwrites the weights,
+  as in DiLoCo: only parameter values change.
+* Buffers (batch-norm statistics, ...) stay local; only parameters sync.
+* Frozen parameters (``requires_grad=False``) are never sent or changed.
+* Tied parameters (one tensor under two names) are sent once.
+* A model wrapped in DistributedDataParallel (``module.`` prefixes) or
+  compiled maps to the same plan as the bare model.
+* Parameters on a GPU are copied to the CPU for sending and back when a
+  global arrives; bf16 and fp16 parameters round-trip (deltas and globals
+  travel as fp32 before the codec, so nothing is lost to the dtype on the wire).
+* Under torchrun, rank 0 speaks for the group; the other ranks receive the
+  globals by broadcast, so every rank must call ``step()`` at the same steps.
+* With ``state_dir``, the step, tokens and incarnation are saved as the loop
+  goes (and the optimizer's state, if ``optimizer`` is given), so a restarted
+  learner resumes its schedule: ``start_step`` says where to go on from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from broker.codecs import Codec
+from broker.connect import connect_learner
+from broker.files import atomic_write
+from broker.fragments import FragmentPlan, synced_parameters
+from broker.settings import NO_BROKER, RunSettings
+from broker.transport import LearnerTransport, TransportStats
+from broker.wire import Delta, GlobalFragment, Heartbeat
+from learner.comm import CommThread, DeltaEncoder, OutgoingDelta
+from learner.config import ProcessConfig, SyncConfig
+from learner.fragment_sync import FragmentSync
+from learner.group import TorchrunGroup
+from learner.join import decode_global, join_snapshot
+from learner.telemetry import LearnerMetrics, ProgressFile
+
+log = logging.getLogger(__name__)
+_SETTING_GROUPS = (RunSettings, SyncConfig, ProcessConfig)
+
+
+def split_settings(**settings: Any) -> tuple[RunSettings, SyncConfig, ProcessConfig]:
+    """Route keyword settings to the dataclass that defines each (one definition
+    per setting; codecs may be given by name). ``TypeError`` for unknown names."""
+    by_group: list[dict[str, Any]] = [{} for _ in _SETTING_GROUPS]
+    for name, value in settings.items():
+        for i, group in enumerate(_SETTING_GROUPS):
+            if name in {f.name for f in dataclasses.fields(group)}:
+                if isinstance(value, str) and name.endswith("_codec"):
+                    value = Codec.parse(value)
+                by_group[i][name] = value
+                break
+        else:
+            known = sorted(f.name for g in _SETTING_GROUPS for f in dataclasses.fields(g))
+            raise TypeError(f"unknown setting {name!r}; known: {', '.join(known)}")
+    run, sync, process = (g(**kw) for g, kw in zip(_SETTING_GROUPS, by_group, strict=True))
+    return run, sync, process
+
+
+class DecoupledDiLoCo:
+    """A learner's side of Decoupled DiLoCo around the user's model and loop.
+
+    ``settings`` are the run's shared settings (:class:`~broker.settings.RunSettings`:
+    ``fragments``, ``sync_every``, ``delta_codec``, ...), the learner's syncing
+    options (:class:`~learner.config.SyncConfig`) and process options
+    (:class:`~learner.config.ProcessConfig`), each by its own name.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        url: str = RunSettings.url,
+        *,
+        learner_id: str = "learner-0",
+        load_global: bool = True,
+        optimizer: torch.optim.Optimizer | None = None,
+        state_dir: str | None = None,
+        metrics_port: int = 0,
+        transport: LearnerTransport | None = None,
+        **settings: Any,
+    ) -> None:
+        self.run, self.sync_cfg, self.process = split_settings(url=url, **settings)
+        self.model = model
+        self.learner_id = learner_id
+        self.load_global = load_global
+        self.optimizer = optimizer
+        self.group = TorchrunGroup()
+        if self.sync_cfg.blocking and self.group.world > 1:
+            raise ValueError("blocking (synchronous DiLoCo) learners cannot run under torchrun")
+        self.params = synced_parameters(model)
+        self.plan = FragmentPlan.for_model(model, self.run.fragments, self.run.sync_every)
+        self.fragments = FragmentSync(
+            self.plan, self.run.overlap, self.sync_cfg.flush_before_overwrite
+        )
+        self.progress = ProgressFile(state_dir if self.group.leader else None, learner_id)
+        self.start_step, self.tokens, last_incarnation = self.progress.load()
+        # Strictly newer than any earlier incarnation even if the clock stepped
+        # back: the syncer would take a lower one for a replay.
+        self.incarnation = max(time.time_ns(), last_incarnation + 1)
+        self.step_count = self.start_step
+        self.seq = 0
+        self.globals_rejected: Counter[str] = Counter()
+        self.metrics = LearnerMetrics(metrics_port if self.group.leader else 0)
+        self.syncing = self.run.url != NO_BROKER
+        self.transport = transport
+        self.comm: CommThread | None = None
+        self._last_step_end: float | None = None
+        self.last_step_s = 0.0
+        self.phase_time = {True: 0.0, False: 0.0}  # seconds in steps with sync on / off
+        self.phase_steps = {True: 0, False: 0}
+        self.delivered = True
+        self._closed = False
+
+    # -- joining and leaving ---------------------------------------------------
+    def __enter__(self) -> DecoupledDiLoCo:
+        self.join()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(failed=exc is not None)
+
+    def join(self) -> None:
+        """Connect, load the current global model (unless told not to), start the
+        comm thread. Called by ``with``."""
+        if self.group.leader and self.syncing and self.transport is None:
+            self.transport = connect_learner(
+                self.run.url,
+                run_id=self.run.run_id,
+                learner_id=self.learner_id,
+                incarnation=self.incarnation,
+                num_fragments=self.run.fragments,
+            )
+        arrived: list[tuple[int, int, torch.Tensor]] = []
+        if self.transport is not None:
+            arrived = join_snapshot(self.transport, self.plan, self.process.join_timeout_s)
+        for p, version, flat in self.group.share_globals(arrived, self.plan):
+            if self.load_global:
+                self._apply(p, version, flat, mix_alpha=0.0)
+            else:
+                # The weights as given stand in for this version: deltas measure
+                # this learner's progress from them.
+                self.fragments.apply(p, version, self.plan.flatten(self.params, p), self.params)
+        self._load_optimizer_state()
+        if self.transport is not None:
+            encoder = DeltaEncoder(self.run.delta_codec, self.sync_cfg.error_feedback)
+            self.comm = CommThread(self.transport, encoder)
+            self.comm.start()
+        self.save_progress()
+        log.info(
+            "learner %s joined at step %d (plan %s)",
+            self.learner_id,
+            self.start_step,
+            self.plan.plan_hash,
+        )
+
+    def close(self, failed: bool = False) -> None:
+        """Send every fragment's remaining progress, deliver what is queued (up to
+        ``finish_timeout_s``), stop the comm thread, close the transport."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.comm is not None:
+            if failed:
+                log.warning("learner %s: the loop failed; sending what it trained", self.learner_id)
+            if self.comm.is_alive():
+                for p in range(self.plan.num_fragments):
+                    self._send(p, self.step_count)
+            self.delivered = self.comm.stop(flush_timeout_s=self.sync_cfg.finish_timeout_s)
+        self.save_progress()
+        # Never close sockets under a comm thread that still uses them.
+        if self.transport is not None and (self.comm is None or not self.comm.is_alive()):
+            self.transport.close()
+
+    # -- the step ----------------------------------------------------------------
+    def step(self, weight: int) -> None:
+        """Call once after each optimizer step. ``weight``: what this step trained
+        on in this process (tokens, or samples); under torchrun each rank passes
+        its own and the group's is taken as world size times rank 0's."""
+        now = time.perf_counter()
+        step_s = now - self._last_step_end if self._last_step_end is not None else 0.0
+        self.step_count += 1
+        step = self.step_count
+        group_weight = int(weight) * self.group.world
+        self.tokens += group_weight
+        self.fragments.trained(group_weight)
+        pause = self.sync_cfg.sync_pause_every
+        sync_on = not pause or (step // pause) % 2 == 0
+        if sync_on and self.syncing:
+            self._apply_arrived(step)
+            for p in self.plan.fragments_due(step):
+                self._send(p, step)
+                if self.sync_cfg.blocking and self.comm is not None:
+                    self._wait_for_new_global(p)
+        self._last_step_end = time.perf_counter()
+        # The step's time: training since the last call plus this call's own work.
+        self.last_step_s = step_s + (self._last_step_end - now)
+        if step_s:
+            self.phase_time[sync_on] += self.last_step_s
+            self.phase_steps[sync_on] += 1
+        if self.comm is not None:
+            if self.comm.error is not None:
+                raise RuntimeError("comm thread failed") from self.comm.error
+            self.comm.heartbeat(
+                Heartbeat(
+                    run_id=self.run.run_id,
+                    learner_id=self.learner_id,
+                    incarnation=self.incarnation,
+                    step=step,
+                    tokens=self.tokens,
+                    step_time_s=self.last_step_s,
+                    sent_at=time.time(),
+                )
+            )
+        self.metrics.steps.inc()
+        self.metrics.tokens.inc(group_weight)
+        if step % self.run.sync_every == 0:
+            self.save_progress()
+
+    # -- globals in, deltas out ------------------------------------------------
+    def _apply(self, p: int, version: int, flat: torch.Tensor, mix_alpha: float) -> None:
+        self.fragments.apply(p, version, flat, self.params, mix_alpha)
+        self.metrics.version.labels(str(p)).set(version)
+
+    def _decode(self, g: GlobalFragment) -> tuple[int, int, torch.Tensor] | None:
+        """Validate a global against this learner's plan; None (and counted) if bad."""
+        decoded = decode_global(g, self.plan)
+        if isinstance(decoded, str):
+            self.globals_rejected[decoded] += 1
+            log.warning("refused global %d v%d: %s", g.fragment, g.version, decoded)
+            return None
+        return decoded
+
+    def _apply_arrived(self, step: int) -> None:
+        arrived = [self._decode(g) for g in self.comm.take_globals()] if self.comm else []
+        shared = self.group.share_globals([a for a in arrived if a is not None], self.plan)
+        for p, version, flat in shared:
+            if self.fragments.is_newer(p, version):
+                if self.fragments.must_flush(p, step):
+                    self._send(p, step)
+                self._apply(p, version, flat, self.sync_cfg.mix_alpha)
+                self.metrics.globals_applied.inc()
+
+    def _send(self, p: int, step: int) -> None:
+        if not self.fragments.has_progress(p) or not self.group.leader or self.comm is None:
+            return
+        self.seq += 1
+        self.fragments.sent(p, step)
+        meta = Delta(
+            run_id=self.run.run_id,
+            learner_id=self.learner_id,
+            incarnation=self.incarnation,
+            seq=self.seq,
+            fragment=p,
+            plan_hash=self.plan.plan_hash,
+            base_version=self.fragments.base_version[p],
+            step=step,
+            c_steps=self.fragments.c_steps[p],
+            c_tokens=self.fragments.c_tokens[p],
+            sent_at=time.time(),
+        )
+        self.comm.send_delta(OutgoingDelta(self.fragments.delta(p, self.params), meta))
+        self.metrics.deltas_sent.inc()
+
+    def _wait_for_new_global(self, p: int, timeout_s: float = 60.0) -> None:
+        """Synchronous DiLoCo only: block until fragment p moved past our base."""
+        assert self.comm is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for g in self.comm.take_globals():
+                decoded = self._decode(g)
+                if decoded is not None and self.fragments.is_newer(decoded[0], decoded[1]):
+                    self._apply(*decoded, mix_alpha=self.sync_cfg.mix_alpha)
+            if self.fragments.c_steps[p] == 0:
+                return
+            time.sleep(0.002)
+        log.warning("fragment %d: no new global within %.0fs; continuing", p, timeout_s)
+
+    # -- progress that survives a restart --------------------------------------------
+    def _optimizer_path(self) -> Path | None:
+        if self.optimizer is None or self.progress.path is None:
+            return None
+        return self.progress.path.with_suffix(".optimizer.pt")
+
+    def save_progress(self) -> None:
+        """Write step, tokens and incarnation (and the optimizer's state, if given)."""
+        path = self._optimizer_path()
+        if path is not None and self.optimizer is not None:
+            buffer = io.BytesIO()
+            torch.save(self.optimizer.state_dict(), buffer)
+            atomic_write(path, buffer.getvalue())
+        self.progress.save(self.step_count, self.tokens, self.incarnation)
+
+    def _load_optimizer_state(self) -> None:
+        path = self._optimizer_path()
+        if path is None or not path.exists() or self.optimizer is None:
+            return
+        # weights_only: tensors and plain values, never code.
+        state = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
+        self.optimizer.load_state_dict(state)
+        log.info("learner %s: restored the inner optimizer's state", self.learner_id)
+
+    # -- what happened -----------------------------------------------------------------
+    @property
+    def stats(self) -> TransportStats:
+        return self.transport.stats if self.transport is not None else TransportStats()
+
+    def steps_per_s(self, sync_on: bool) -> float | None:
+        seconds = self.phase_time[sync_on]
+        return self.phase_steps[sync_on] / seconds if seconds > 0 else None
+
+    @property
+    def dropped(self) -> int:
+        return self.comm.dropped if self.comm is not None else 0
+
+
+def load_global_model(
+    model: torch.nn.Module, url: str = RunSettings.url, **settings: Any
+) -> list[int]:
+    """Load the current global model into ``model`` without taking part in the run
+    (nothing is sent); returns each fragment's version. For evaluation."""
+    run, _, process = split_settings(url=url, **settings)
+    plan = FragmentPlan.for_model(model, run.fragments, run.sync_every)
+    params = synced_parameters(model)
+    fragments = FragmentSync(plan, run.overlap, flush_before_overwrite=False)
+    transport = connect_learner(
+        run.url,
+        run_id=run.run_id,
+        learner_id="reader",
+        incarnation=time.time_ns(),
+        num_fragments=run.fragments,
+    )
+    try:
+        for p, version, flat in join_snapshot(transport, plan, process.join_timeout_s):
+            fragments.apply(p, version, flat, params)
+    finally:
+        transport.close()
+    return fragments.versions()
