@@ -1,0 +1,294 @@
+"""The library API around user models, against a real syncer over real ZeroMQ sockets.
+
+The syncer runs in this process on a thread (the real service object, its real
+transport on a free loopback port); learners are threads with their own models,
+or, for the kill test, a real process that gets SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from broker.codecs import Codec
+from broker.fragments import FragmentPlan, synced_parameters
+from broker.initial_model import write_initial_model
+from broker.settings import RunSettings
+from compose.processes import free_port_pair
+from learner.library import DecoupledDiLoCo, load_global_model
+from syncer.config import OuterConfig, SyncerConfig
+from syncer.service import Syncer
+from tests.servers import free_port, wait_until
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS: dict[str, Any] = dict(run_id="lib", fragments=2, sync_every=4, overlap=1)
+
+
+class Regressor(nn.Module):
+    """Small, with batch norm (buffers), a frozen layer and optional tied weights."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8, bias=False, dtype=dtype)
+        self.frozen = nn.Linear(8, 8, dtype=dtype)
+        self.frozen.requires_grad_(False)
+        self.bn = nn.BatchNorm1d(8, dtype=dtype)
+        self.hidden = nn.Linear(8, 16, dtype=dtype)
+        self.out = nn.Linear(16, 8, bias=False, dtype=dtype)
+        self.unembed = nn.Linear(8, 8, bias=False, dtype=dtype)
+        if tied:
+            self.unembed.weight = self.embed.weight  # one tensor, two names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.frozen(self.embed(x)))
+        return self.unembed(self.out(torch.relu(self.hidden(h))))
+
+
+def make_model(seed: int = 0, **kw: Any) -> Regressor:
+    torch.manual_seed(seed)
+    return Regressor(**kw)
+
+
+TARGET = torch.Generator().manual_seed(99)
+MAP = torch.randn(8, 8, generator=TARGET) / 3
+
+
+def batch(gen: torch.Generator, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(n, 8, generator=gen)
+    return x, x @ MAP
+
+
+def held_out_loss(model: nn.Module) -> float:
+    """On fixed held-out data, with batch-norm on the batch's own statistics: the
+    global model carries parameters only (buffers stay with each learner)."""
+    with torch.no_grad():
+        x, y = batch(torch.Generator().manual_seed(12345), 512)
+        return float(nn.functional.mse_loss(model(x.to(model.embed.weight.dtype)).float(), y))
+
+
+@contextmanager
+def running_syncer(
+    tmp_path: Path, model: nn.Module, learners: int, quorum: int
+) -> Iterator[tuple[Syncer, str]]:
+    url = f"zmq://127.0.0.1:{free_port_pair()}"
+    initial = tmp_path / "initial.safetensors"
+    plan = FragmentPlan.for_model(model, SETTINGS["fragments"], SETTINGS["sync_every"])
+    write_initial_model(initial, plan, synced_parameters(model))
+    run = RunSettings(
+        url=url, learners=learners, quorum=quorum, initial_model=str(initial), **SETTINGS
+    )
+    cfg = SyncerConfig(
+        run=run,
+        outer=OuterConfig(outer_lr=1.0, outer_momentum=0.0),
+        checkpoint_dir=str(tmp_path / "checkpoint"),
+        metrics_file=str(tmp_path / "syncer.jsonl"),
+    )
+    syncer = Syncer(cfg)
+    thread = threading.Thread(target=syncer.run, daemon=True)
+    thread.start()
+    try:
+        yield syncer, url
+    finally:
+        syncer.stop_requested.set()
+        thread.join(timeout=60)
+
+
+def train(sync: DecoupledDiLoCo, model: nn.Module, steps: int, seed: int) -> None:
+    """The user's own loop: the dozen lines the library is made for."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = batch(gen)
+        dtype = model.embed.weight.dtype
+        loss = nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync.step(weight=len(x))
+
+
+@pytest.mark.timeout(120)
+def test_two_learners_train_a_user_model_in_their_own_loops(tmp_path: Path) -> None:
+    initial = make_model()
+    before = held_out_loss(initial)
+    frozen_before = {k: v.clone() for k, v in initial.frozen.state_dict().items()}
+    models = [make_model() for _ in range(2)]
+    with running_syncer(tmp_path, initial, learners=2, quorum=2) as (syncer, url):
+
+        def learner(i: int) -> None:
+            with DecoupledDiLoCo(models[i], url, learner_id=f"l{i}", learners=2, **SETTINGS) as s:
+                train(s, models[i], steps=60, seed=i)
+
+        threads = [threading.Thread(target=learner, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=100)
+        assert not any(t.is_alive() for t in threads)
+        wait_until(lambda: not any(s.pending_learners for s in syncer.states.values()), 20)
+        final = make_model()  # the initial weights; every trained one comes from the syncer
+        versions = load_global_model(final, url, **SETTINGS)
+        assert all(
+            not torch.equal(p, q)
+            for p, q in zip(final.parameters(), initial.parameters(), strict=True)
+            if p.requires_grad
+        )
+    rounds = [json.loads(line) for line in (tmp_path / "syncer.jsonl").read_text().splitlines()]
+    both = [e for e in rounds if e["event"] == "round" and e["learners"] == ["l0", "l1"]]
+    assert len(both) >= 10, f"only {len(both)} rounds merged both learners"
+    assert min(versions) >= 5
+    after = held_out_loss(final)
+    assert after < 0.5 * before, (before, after)
+    for model in models:
+        # Frozen parameters: never sent, never changed.
+        for k, v in model.frozen.state_dict().items():
+            assert torch.equal(v, frozen_before[k]), k
+    # Buffers stay local: each learner's batch-norm statistics are its own.
+    assert not any(
+        s.name.startswith("bn.running") for s in FragmentPlan.for_model(initial, 2, 4).specs
+    )
+    assert not torch.equal(models[0].bn.running_mean, models[1].bn.running_mean)
+
+
+@pytest.mark.timeout(120)
+def test_bf16_parameters_and_tied_weights_round_trip(tmp_path: Path) -> None:
+    model = make_model(dtype=torch.bfloat16, tied=True)
+    plan = FragmentPlan.for_model(model, 2, 4)
+    names = [s.name for s in plan.specs]
+    assert "embed.weight" in names and "unembed.weight" not in names  # sent once
+    assert all(s.dtype == "bfloat16" for s in plan.specs)
+    with running_syncer(tmp_path, model, learners=1, quorum=1) as (syncer, url):
+        with DecoupledDiLoCo(model, url, learner_id="bf", learners=1, **SETTINGS) as sync:
+            train(sync, model, steps=24, seed=0)
+            # Up: a bf16 learner's delta is exact in fp32, so the syncer rebuilds
+            # the learner's weights from it (base - delta) to fp32 rounding.
+            for p in range(2):
+                rebuilt = sync.fragments.base[p] - sync.fragments.delta(p, sync.params)
+                held = sync.plan.flatten(sync.params, p)
+                assert torch.allclose(rebuilt, held, rtol=1e-6, atol=1e-7)
+        assert sync.delivered and not syncer.rejected
+        assert min(s.version for s in syncer.states.values()) >= 3
+        # Down: a global lands in bf16 parameters as exactly its bf16 rounding.
+        fresh = make_model(dtype=torch.bfloat16, tied=True)
+        load_global_model(fresh, url, **SETTINGS)
+        published = {p: syncer.states[p].weights for p in range(2)}
+    assert model.unembed.weight is model.embed.weight  # still one tensor
+    assert fresh.unembed.weight is fresh.embed.weight
+    assert model.embed.weight.dtype == torch.bfloat16
+    fresh_params = synced_parameters(fresh)
+    for p, flat in published.items():
+        for name, value in plan.unflatten(flat, p).items():
+            assert fresh_params[name].dtype == torch.bfloat16
+            assert torch.equal(fresh_params[name], value.to(torch.bfloat16)), name
+
+
+def test_a_ddp_wrapped_model_maps_to_the_plan_of_the_bare_model() -> None:
+    bare = make_model()
+    plan = FragmentPlan.for_model(bare, 2, 4)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        wrapped = DistributedDataParallel(make_model())
+        assert next(iter(dict(wrapped.named_parameters()))).startswith("module.")
+        assert FragmentPlan.for_model(wrapped, 2, 4) == plan
+        assert FragmentPlan.for_model(torch.compile(make_model()), 2, 4) == plan
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_inner_optimizer_state_survives_a_global_overwrite() -> None:
+    model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sync = DecoupledDiLoCo(model, "none", **SETTINGS)
+    x, y = batch(torch.Generator().manual_seed(0))
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    flat = torch.zeros(sync.plan.fragment_numel(0))
+    sync.fragments.apply(0, 1, flat, sync.params)
+    assert all(
+        torch.equal(p, torch.zeros_like(p))
+        for p in sync.plan.unflatten(sync.plan.flatten(sync.params, 0), 0).values()
+    )
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, state[id(p)][k]), k
+
+
+@pytest.mark.timeout(60)
+def test_a_model_of_another_plan_is_refused_with_a_clear_message(tmp_path: Path) -> None:
+    with running_syncer(tmp_path, make_model(), learners=1, quorum=1) as (_, url):
+        other = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        with (
+            pytest.raises(ValueError, match="plan .* differs .*same model"),
+            DecoupledDiLoCo(other, url, learner_id="odd", **SETTINGS),
+        ):
+            pass
+
+
+def test_unknown_settings_are_named() -> None:
+    with pytest.raises(TypeError, match="unknown setting 'fragmnets'"):
+        DecoupledDiLoCo(make_model(), "none", fragmnets=2)
+    sync = DecoupledDiLoCo(make_model(), "none", delta_codec="int4", **SETTINGS)
+    assert sync.run.delta_codec == Codec("int4")
+
+
+LEARNER_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+from tests.test_library import make_model, train
+from learner.library import DecoupledDiLoCo
+model = make_model()
+opt_steps = 400
+with DecoupledDiLoCo(model, {url!r}, learner_id="k", state_dir={state!r}, learners=1,
+                     **{settings!r}) as sync:
+    print(json.dumps({{"start_step": sync.start_step,
+                      "versions": sync.fragments.versions()}}), flush=True)
+    train(sync, model, steps=opt_steps - sync.start_step, seed=sync.start_step)
+    print(json.dumps({{"done": sync.step_count}}), flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_learner_killed_inside_the_context_restarts_and_rejoins(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with running_syncer(tmp_path, make_model(), learners=1, quorum=1) as (syncer, url):
+        script = LEARNER_SCRIPT.format(root=str(ROOT), url=url, state=str(state), settings=SETTINGS)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        first = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
+        assert first.stdout is not None
+        assert json.loads(first.stdout.readline())["start_step"] == 0
+        progress = state / "k.json"
+        wait_until(
+            lambda: progress.exists() and json.loads(progress.read_text())["step"] >= 40,
+            60,
+            what="progress saved",
+        )
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        merged = syncer.deltas_applied
+        second = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert second.returncode == 0, second.stderr[-2000:]
+        lines = [json.loads(line) for line in second.stdout.splitlines()]
+        # It resumed its schedule and loaded the merged global model.
+        assert lines[0]["start_step"] >= 40 and min(lines[0]["versions"]) >= 1
+        assert lines[-1] == {"done": 400}
+        assert syncer.deltas_applied > merged  # and it contributed again
