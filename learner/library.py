@@ -37,8 +37,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import signal
+import subprocess
+import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -49,6 +54,7 @@ from broker.codecs import Codec
 from broker.connect import connect_learner
 from broker.files import atomic_write
 from broker.fragments import FragmentPlan, synced_parameters
+from broker.initial_model import write_initial_model
 from broker.settings import NO_BROKER, RunSettings
 from broker.transport import LearnerTransport, TransportStats
 from broker.wire import Delta, GlobalFragment, Heartbeat
@@ -364,3 +370,47 @@ def load_global_model(
     finally:
         transport.close()
     return fragments.versions()
+
+
+def save_initial_model(model: torch.nn.Module, path: str | Path, **settings: Any) -> FragmentPlan:
+    """Write ``model`` as a run's initial global model (what ``ddiloco init`` does
+    for the built-in workloads); a syncer started on this file needs no model class."""
+    run, _, _ = split_settings(**settings)
+    plan = FragmentPlan.for_model(model, run.fragments, run.sync_every)
+    write_initial_model(Path(path), plan, synced_parameters(model))
+    return plan
+
+
+@contextmanager
+def local_syncer(
+    model: torch.nn.Module, url: str, workdir: str | Path, **settings: Any
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``ddiloco syncer`` process on this machine for ``model``, for trying the
+    library without a cluster: writes the initial model into ``workdir``, starts
+    the syncer, waits until it serves, and stops it on leaving (after merging
+    what is pending). ``settings`` are the run settings the learners use too."""
+    run, _, _ = split_settings(url=url, **settings)
+    folder = Path(workdir)
+    initial = folder / "initial-model.safetensors"
+    save_initial_model(model, initial, **settings)
+    flags = [
+        f"--{f.name.replace('_', '-')}={getattr(run, f.name)}" for f in dataclasses.fields(run)
+    ]
+    cmd = [sys.executable, "-m", "compose.cli", "syncer", *flags]
+    cmd += [f"--initial-model={initial}", f"--checkpoint-dir={folder / 'checkpoint'}"]
+    cmd += [f"--metrics-file={folder / 'syncer.jsonl'}"]
+    log_file = open(folder / "syncer.log", "ab")  # noqa: SIM115 (closed below)
+    syncer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file)
+    try:
+        assert syncer.stdout is not None
+        if syncer.stdout.readline().strip() != b"ready":
+            raise RuntimeError(f"the syncer did not start; see {folder / 'syncer.log'}")
+        yield syncer
+    finally:
+        if syncer.poll() is None:
+            syncer.send_signal(signal.SIGTERM)  # merges what is pending, then exits
+            try:
+                syncer.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                syncer.kill()
+        log_file.close()
