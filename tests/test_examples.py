@@ -1,0 +1,74 @@
+"""The examples and a user workload, run as a user would, each with a small budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compose.processes import free_port_pair
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_example(name: str, *args: str) -> dict[str, object]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_plain_loop_example_learns_over_zeromq() -> None:
+    url = f"zmq://127.0.0.1:{free_port_pair()}"
+    result = run_example("plain_loop.py", "--steps", "200", "--url", url)
+    assert result["after"] < 0.25 * result["before"], result  # type: ignore[operator]
+    assert min(result["versions"]) >= 10  # type: ignore[type-var, arg-type]
+
+
+@pytest.mark.timeout(300)
+def test_transformers_example_learns_over_redis(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        result = run_example("hf_causal_lm.py", "--steps", "80", "--url", server.url)
+    finally:
+        server.stop()
+    assert result["tied"] is True
+    assert result["after"] < result["before"] - 1.5, result  # type: ignore[operator]
+    assert min(result["versions"]) >= 5  # type: ignore[type-var, arg-type]
+
+
+@pytest.mark.timeout(300)
+def test_ddiloco_local_trains_a_user_workload(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "compose.cli", "local",
+            "--workload", "tests.workloads:regression",
+            "--learners", "2", "--steps", "120", "--fragments", "2", "--sync-every", "8",
+            "--eval-every-s", "2", "--no-progress", "--out", str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_eval_loss"] < 0.25 * summary["initial_eval_loss"], summary
+    assert summary["deltas_applied"] >= 10 and summary["deltas_rejected"] == 0
