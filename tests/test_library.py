@@ -108,9 +108,16 @@ def running_syncer(
         thread.join(timeout=60)
 
 
-def train(sync: DecoupledDiLoCo, model: nn.Module, steps: int, seed: int) -> None:
+def train(
+    sync: DecoupledDiLoCo,
+    model: nn.Module,
+    steps: int,
+    seed: int,
+    opt: torch.optim.Optimizer | None = None,
+) -> None:
     """The user's own loop: the dozen lines the library is made for."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if opt is None:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         x, y = batch(gen)
@@ -292,3 +299,30 @@ def test_a_learner_killed_inside_the_context_restarts_and_rejoins(tmp_path: Path
         assert lines[0]["start_step"] >= 40 and min(lines[0]["versions"]) >= 1
         assert lines[-1] == {"done": 400}
         assert syncer.deltas_applied > merged  # and it contributed again
+
+
+def test_a_restart_resumes_step_tokens_incarnation_and_optimizer_state(tmp_path: Path) -> None:
+    """Without a syncer (url none) the bookkeeping is the same: what a restarted
+    learner keeps is in ``state_dir``."""
+    model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    first = DecoupledDiLoCo(model, "none", optimizer=opt, state_dir=str(tmp_path), **SETTINGS)
+    with first as sync:
+        train(sync, model, steps=9, seed=0, opt=opt)
+    saved = json.loads((tmp_path / "learner-0.json").read_text())
+    assert saved == {"step": 9, "tokens": 9 * 32, "incarnation": first.incarnation}
+
+    model2 = make_model()
+    opt2 = torch.optim.AdamW([p for p in model2.parameters() if p.requires_grad], lr=1e-2)
+    second = DecoupledDiLoCo(model2, "none", optimizer=opt2, state_dir=str(tmp_path), **SETTINGS)
+    with second:
+        assert (second.start_step, second.tokens) == (9, 9 * 32)
+        assert second.incarnation > first.incarnation
+        restored = opt2.state_dict()["state"]
+        original = opt.state_dict()["state"]
+        assert restored.keys() == original.keys() and restored
+        for key, state in original.items():
+            assert torch.equal(restored[key]["exp_avg"], state["exp_avg"])
+            assert torch.equal(restored[key]["exp_avg_sq"], state["exp_avg_sq"])
+    # Without optimizer= nothing of the optimizer is written or read.
+    assert not (tmp_path / "learner-1.optimizer.pt").exists()
