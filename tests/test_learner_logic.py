@@ -243,3 +243,23 @@ def test_globals_are_applied_only_between_steps_and_only_when_newer() -> None:
     learner._apply_arrived(step=3)
     assert learner.globals_rejected == {"wrong_plan": 1}
     assert learner.fragments.base_version[1] == 3
+
+
+def test_joining_without_loading_keeps_the_weights_and_measures_progress_from_them() -> None:
+    model = load_workload(WorkloadContext(WorkloadConfig(model=TINY))).model
+    transport = InMemoryTransport()
+    learner = DecoupledDiLoCo(
+        model, run_id="unit", fragments=2, sync_every=4, overlap=1, transport=transport,
+        load_global=False,
+    )  # fmt: skip
+    given = {p: learner.plan.flatten(learner.params, p) for p in range(2)}
+    for p in range(2):  # the run's global differs from the weights given
+        transport.latest[p] = global_of(learner, p, 7, torch.zeros_like(given[p]))
+    learner.join()
+    try:
+        for p in range(2):
+            assert torch.equal(learner.plan.flatten(learner.params, p), given[p])
+            assert torch.equal(learner.fragments.base[p], given[p])  # deltas start at zero
+        assert learner.fragments.versions() == [7, 7]  # and are rebased onto the run's version
+    finally:
+        learner.close()
