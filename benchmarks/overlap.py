@@ -1,0 +1,116 @@
+"""Does syncing slow a learner down? Step rate with sync on and off, in one run.
+
+    python -m benchmarks.overlap [--smoke | --quick] [--out benchmarks/results/overlap]
+
+``ddiloco local --sync-pause-every N`` makes every learner alternate: N steps
+with syncing (apply globals, send deltas, all on the comm thread), N steps
+without. Both phases run in the same processes, on the same data and the same
+contended CPU, so the ratio isolates what syncing costs the training loop.
+One JSON per finished run (a rerun skips runs already done), then
+``overlap.json`` (``steps_per_s_sync``, ``steps_per_s_nosync``, ``ratio``, per
+run and their mean) and ``overlap.png``. Target: ratio >= 0.95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# (learners, steps, pause period, seeds, extra flags) per mode.
+MODES: dict[str, dict[str, Any]] = {
+    "smoke": {
+        "learners": 2,
+        "steps": 48,
+        "pause": 12,
+        "seeds": [0],
+        "extra": ["--model-d-model", "64", "--model-n-layer", "2", "--model-seq-len", "64"],
+    },
+    "quick": {"learners": 4, "steps": 144, "pause": 12, "seeds": [0], "extra": []},
+    "full": {"learners": 4, "steps": 300, "pause": 12, "seeds": [0, 1, 2], "extra": []},
+}
+
+
+def run_once(out: Path, mode: dict[str, Any], seed: int) -> dict[str, Any]:
+    result_path = out / f"run-seed{seed}.json"
+    if result_path.exists():  # resumable: a finished run is not repeated
+        done: dict[str, Any] = json.loads(result_path.read_text())
+        return done
+    folder = out / f"run-seed{seed}"
+    cmd = [
+        sys.executable, "-m", "compose.cli", "local", "--no-progress",
+        "--learners", str(mode["learners"]), "--steps", str(mode["steps"]),
+        "--sync-pause-every", str(mode["pause"]), "--seed", str(seed),
+        "--out", str(folder), *mode["extra"],
+    ]  # fmt: skip
+    print("$", " ".join(cmd[2:]), flush=True)
+    if (folder / "summary.json").exists():
+        folder.rename(folder.with_name(folder.name + "-old"))  # a half-written earlier try
+    subprocess.run(cmd, check=True)
+    summary = json.loads((folder / "summary.json").read_text())
+    sync, nosync = summary["steps_per_s_sync_on"], summary["steps_per_s_sync_off"]
+    result = {
+        "seed": seed,
+        "steps_per_s_sync": sync,
+        "steps_per_s_nosync": nosync,
+        "ratio": sync / nosync,
+        "learners": mode["learners"],
+        "steps": mode["steps"],
+        "pause_every": mode["pause"],
+    }
+    result_path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--smoke", action="store_true", help="CI: 2 small learners, a minute")
+    which.add_argument("--quick", action="store_true", help="4 learners, 144 steps")
+    ap.add_argument("--out", default="benchmarks/results/overlap")
+    args = ap.parse_args(argv)
+    name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = MODES[name]
+    out = Path(args.out) / name
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [run_once(out, mode, seed) for seed in mode["seeds"]]
+    result = {
+        "benchmark": "overlap",
+        "mode": name,
+        "steps_per_s_sync": statistics.mean(r["steps_per_s_sync"] for r in runs),
+        "steps_per_s_nosync": statistics.mean(r["steps_per_s_nosync"] for r in runs),
+        "ratio": statistics.mean(r["ratio"] for r in runs),
+        "target_ratio": 0.95,
+        "runs": runs,
+    }
+    (out / "overlap.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(runs, out / "overlap.png")
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    return 0
+
+
+def _plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    labels = [f"seed {r['seed']}" for r in runs]
+    x = range(len(runs))
+    ax.bar([i - 0.2 for i in x], [r["steps_per_s_sync"] for r in runs], 0.4, label="sync on")
+    ax.bar([i + 0.2 for i in x], [r["steps_per_s_nosync"] for r in runs], 0.4, label="sync off")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("learner steps/s (same run)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
