@@ -7,8 +7,8 @@ with syncing (apply globals, send deltas, all on the comm thread), N steps
 without. Both phases run in the same processes, on the same data and the same
 contended CPU, so the ratio isolates what syncing costs the training loop.
 One JSON per finished run (a rerun skips runs already done), then
-``overlap.json`` (``steps_per_s_sync``, ``steps_per_s_nosync``, ``ratio``, per
-run and their mean) and ``overlap.png``. Target: ratio >= 0.95.
+``overlap-<mode>.json`` (``steps_per_s_sync``, ``steps_per_s_nosync``,
+``ratio``, per run and their mean) and ``overlap-<mode>.png``. Target: ratio >= 0.95.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         "target_ratio": 0.95,
         "runs": runs,
     }
-    (out / "overlap.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(runs, out / "overlap.png")
+    # Beside the run folders, which stay out of version control.
+    (out.parent / f"overlap-{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(runs, out.parent / f"overlap-{name}.png")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     return 0
 
