@@ -118,3 +118,38 @@ def radial_directional_mean(
     if dnorm <= max(eps, 1e-6):
         return torch.zeros_like(direction)
     return direction * (radius / dnorm)
+
+
+# -- robust aggregators, for learners that are not all trusted ------------------
+# Both ignore the token-step weights: in an untrusted setup the counters they
+# come from are the attacker's to choose. Each coordinate is taken on its own,
+# so up to ``trim`` (trimmed mean) or fewer than half (median) of the learners
+# can send anything at all without dragging any coordinate past the honest ones.
+def _sorted_stack(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        raise ValueError("need at least one gradient")
+    return torch.stack([g.to(torch.float32) for g in grads]).sort(dim=0).values
+
+
+def coordinate_median(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per coordinate, the median of the learners' values (the mean of the middle
+    two for an even count, as numpy's median)."""
+    ordered = _sorted_stack(grads)
+    n = ordered.shape[0]
+    if n % 2:
+        return ordered[n // 2].clone()
+    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def trimmed_mean(grads: Sequence[torch.Tensor], trim: int) -> torch.Tensor:
+    """Per coordinate, the mean after dropping the ``trim`` highest and lowest values.
+
+    With too few learners to drop that many from both ends (n <= 2 trim) it is
+    the coordinate-wise median, the limit of trimming.
+    """
+    if trim < 0:
+        raise ValueError(f"trim must be >= 0, got {trim}")
+    n = len(grads)
+    if n <= 2 * trim:
+        return coordinate_median(grads)
+    return _sorted_stack(grads)[trim : n - trim].mean(dim=0)

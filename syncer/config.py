@@ -3,33 +3,57 @@ the plan and the initial weights come from the initial model file."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from broker.config_checks import check_choice, check_id, check_int, check_positive, require
 from broker.settings import RunSettings
 
-AGGREGATIONS = ("mean", "radial")
+# mean and radial weight learners by tokens and steps; trimmed_mean and
+# coordinate_median are robust to a minority of bad learners and ignore weights.
+AGGREGATIONS = ("mean", "radial", "trimmed_mean", "coordinate_median")
+QUARANTINE_ACTIONS = ("clip", "refuse")
 
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """Rounds and the outer optimizer."""
+    """Rounds, the outer optimizer, and how far the syncer trusts a learner's delta."""
 
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    aggregation: str = "mean"  # or "radial": radial-directional averaging
+    aggregation: str = "mean"  # mean, radial, trimmed_mean or coordinate_median (untrusted)
+    trim_per_side: int = 1  # trimmed_mean: values dropped at each end of every coordinate
     grace_gamma: float = 0.5  # share of the overlap left after quorum that a round may wait
     staleness: int = 4  # S: versions kept per fragment for rebasing
-    quarantine_factor: float = 10.0  # refuse a delta whose norm exceeds this x the median
+    weight_clip: float = 3.0  # cap each token-step weight at this x the round's median weight
+    quarantine_factor: float = 10.0  # Q: bar on a delta's norm per step, x its fragment's median
+    quarantine_window: int = 16  # W: the last merged deltas per fragment whose median sets it
+    quarantine_action: str = "clip"  # clip a delta above the bar down to it, or refuse it
+    max_tokens_per_step: int = 1 << 24  # refuse a delta claiming more tokens per inner step
+    max_clock_skew_s: float = 60.0  # how far ahead a learner's clock may be (for incarnations)
+    max_learners: int = 0  # roster cap: ids joined by an accepted delta; 0: learners
 
     def __post_init__(self) -> None:
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        check_int("trim_per_side", self.trim_per_side)
         check_positive("outer_lr", self.outer_lr)
         require(0 <= self.outer_momentum < 1, f"outer_momentum={self.outer_momentum}: use [0, 1)")
         require(0 <= self.grace_gamma < 1, f"grace_gamma={self.grace_gamma}: use [0, 1)")
         require(type(self.staleness) is int, "staleness must be an integer")
         check_positive("staleness", self.staleness)
+        check_positive("weight_clip", self.weight_clip)
+        require(self.weight_clip >= 1, f"weight_clip={self.weight_clip}: use >= 1")
+        check_positive("quarantine_factor", self.quarantine_factor)
         require(self.quarantine_factor > 1, f"quarantine_factor={self.quarantine_factor}: use > 1")
+        check_int("quarantine_window", self.quarantine_window)
+        check_choice("quarantine_action", self.quarantine_action, QUARANTINE_ACTIONS)
+        check_int("max_tokens_per_step", self.max_tokens_per_step)
+        check_positive("max_clock_skew_s", self.max_clock_skew_s, allow_zero=True)
+        require(
+            math.isfinite(self.max_clock_skew_s),
+            f"max_clock_skew_s={self.max_clock_skew_s}: give a finite number of seconds",
+        )
+        check_int("max_learners", self.max_learners, minimum=0)
 
 
 @dataclass
@@ -52,3 +76,13 @@ class SyncerConfig:
                 and all(0 <= p < self.run.fragments for p in self.owned_fragments),
                 f"owned_fragments={self.owned_fragments}: use indices in [0, {self.run.fragments})",
             )
+        cap = self.outer.max_learners
+        require(
+            cap == 0 or cap >= self.run.learners,
+            f"max_learners={cap}: at least learners={self.run.learners} (0: learners)",
+        )
+
+    @property
+    def roster_cap(self) -> int:
+        """Learner ids the syncer counts at once (a silent one makes room for a new one)."""
+        return self.outer.max_learners or self.run.learners

@@ -2,12 +2,16 @@
 
 Offers of deltas come in, rounds close, new versions come out. Transport,
 checkpoint files and clocks stay in :mod:`syncer.service`; this module only
-sees tensors, numbers and a ``now`` passed in, so every decision is testable.
+sees tensors, numbers and the time passed in, so every decision is testable.
+
+Two clocks are passed in, each where it belongs: ``now`` (monotonic seconds)
+times rounds; ``wall_s`` (the syncer's wall clock, seconds) dates published
+versions, because a delta's step count is bounded by the time since its base
+version was published, and that must hold across a syncer restart.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,20 +23,22 @@ from broker.wire import Delta
 from syncer.aggregation import (
     StaleDelta,
     VersionHistory,
+    coordinate_median,
     outer_gradient,
     radial_directional_mean,
     token_step_weight,
+    trimmed_mean,
     weighted_mean,
 )
 from syncer.outer import nesterov_step
 from syncer.quorum import Round
+from syncer.trust import ReportLimits, check_report, clip_weights, quarantine_bar
 
 # Statuses of an offer. Anything else is a rejection reason.
 ACCEPTED = "accepted"
 DUPLICATE = "duplicate"  # already applied: ack at once
 HELD = "held"  # a resend or an older delta of a learner already in the round: ack on close
-QUARANTINE_MIN_SAMPLES = 5  # peer observations needed before anything is refused
-QUARANTINE_WINDOW = 8  # observations kept per learner
+QUARANTINED = "quarantined"  # refused on close: its norm per step was above the bar
 
 
 class RoundOverflow(FloatingPointError):
@@ -51,9 +57,14 @@ class AggregationParams:
     staleness: int
     outer_lr: float
     outer_momentum: float
-    aggregation: str  # "mean" or "radial"
+    aggregation: str  # "mean", "radial", "trimmed_mean" or "coordinate_median"
     codec: Codec  # of published globals
-    quarantine_factor: float
+    limits: ReportLimits  # what a delta's figures may claim
+    weight_clip: float  # a weight is capped at this x the round's median weight
+    quarantine_factor: float  # Q: the bar is Q x the median norm per step ...
+    quarantine_window: int  # W: ... of the fragment's last W merged deltas
+    quarantine_action: str  # "clip" an outlier to the bar or "refuse" it
+    trim_per_side: int = 1  # trimmed_mean only
 
 
 @dataclass
@@ -61,7 +72,8 @@ class _Contribution:
     learner: str
     key: tuple[int, int]  # (incarnation, seq)
     base_version: int
-    grad: torch.Tensor
+    delta: torch.Tensor  # as sent: clipping scales it, then it is rebased on close
+    norm_per_step: float
     weight: float
     c_tokens: int
     c_steps: int
@@ -78,6 +90,16 @@ class RoundResult:
     refs: list[Any]  # everything to acknowledge once the new state is durable
     learners: list[str] = field(default_factory=list)
     keys: list[tuple[str, int, int]] = field(default_factory=list)  # (learner, incarnation, seq)
+    # Quarantine on close: deltas scaled down to the bar, and deltas refused
+    # (their refs are in ``refs`` too, to ack). Weights capped by the clip.
+    clipped: list[tuple[str, int, int]] = field(default_factory=list)
+    refused: list[tuple[str, int, int]] = field(default_factory=list)
+    weights_clipped: int = 0
+
+    @property
+    def published(self) -> bool:
+        """False when quarantine refused every delta: no new version."""
+        return self.included > 0
 
 
 def _token(ref: Any) -> Any:
@@ -108,7 +130,13 @@ class FragmentState:
     """
 
     def __init__(
-        self, fragment: int, weights: torch.Tensor, params: AggregationParams, version: int = 0
+        self,
+        fragment: int,
+        weights: torch.Tensor,
+        params: AggregationParams,
+        version: int = 0,
+        *,
+        published_s: float,
     ) -> None:
         self.fragment = fragment
         self.params = params
@@ -118,6 +146,8 @@ class FragmentState:
         self.history = VersionHistory(params.staleness)
         published, self.payload = canonical(self.codec, self.master)
         self.history.push(version, published)
+        # Wall-clock time each kept version was published (for the step bound).
+        self.published_at: dict[int, float] = {version: published_s}
         self.momentum: torch.Tensor | None = None
         self.applied: dict[str, tuple[int, int]] = {}  # newest (incarnation, seq) merged
         self.merged_step: dict[str, int] = {}  # newest learner step merged (token accounting)
@@ -129,7 +159,10 @@ class FragmentState:
         # Refs to ack on close: one per (learner, incarnation, seq, transport token),
         # so repeated resends over one connection cost one entry.
         self._held: dict[tuple[Any, ...], Any] = {}
-        self._norms: dict[str, deque[float]] = {}  # recent norm per step, per learner
+        # Norms per step of the last merged deltas: the quarantine's reference.
+        # Only merged ones enter (clipped ones at their clipped size), so a
+        # refused delta can never raise the bar for the next one.
+        self.recent_norms: deque[float] = deque(maxlen=params.quarantine_window)
 
     @property
     def version(self) -> int:
@@ -161,8 +194,22 @@ class FragmentState:
             return HELD
         return None
 
-    def offer(self, delta: Delta, tensor: torch.Tensor, ref: Any, now: float) -> str:
-        """Take a decoded delta into the open round; returns a status or a rejection reason."""
+    def offer(
+        self,
+        delta: Delta,
+        tensor: torch.Tensor,
+        ref: Any,
+        now: float,
+        *,
+        wall_s: float,
+        step_s: float | None,
+    ) -> str:
+        """Take a decoded delta into the open round; returns a status or a rejection reason.
+
+        ``now`` times the round; ``wall_s`` is the wall clock and ``step_s`` the
+        step time credited to the learner (:func:`syncer.trust.credited_step_s`),
+        which bound the figures it reports.
+        """
         early = self.precheck(delta, ref)
         if early is not None:
             return early
@@ -176,12 +223,18 @@ class FragmentState:
             base = self.history.get(delta.base_version)
         except StaleDelta as e:
             return e.reason
-        # Against the fp32 master: the learner's weights are base - delta exactly.
-        grad = outer_gradient(tensor, base, self.master)
-        if not torch.isfinite(grad).all():
+        impossible = check_report(
+            delta,
+            base_published_s=self.published_at.get(delta.base_version, 0.0),
+            wall_s=wall_s,
+            step_s=step_s,
+            limits=self.params.limits,
+        )
+        if impossible is not None:
+            return impossible
+        # Finite inputs can still overflow when rebased; find out now, not on close.
+        if not torch.isfinite(outer_gradient(tensor, base, self.master)).all():
             return "non_finite"
-        if self._quarantined(delta.learner_id, float(tensor.norm()) / delta.c_steps):
-            return "quarantined"
         slot = (delta.learner_id, delta.base_version)
         current = self._pending.get(slot)
         if current is not None:
@@ -190,7 +243,9 @@ class FragmentState:
             delta.learner_id,
             (delta.incarnation, delta.seq),
             delta.base_version,
-            grad,
+            tensor,
+            # In float64: the norm of huge finite values must not overflow to inf.
+            float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) / delta.c_steps,
             token_step_weight(delta.c_tokens, delta.c_steps),
             delta.c_tokens,
             delta.c_steps,
@@ -200,24 +255,6 @@ class FragmentState:
         self.round.add(delta.learner_id, now)
         return ACCEPTED
 
-    def _quarantined(self, learner: str, norm_per_step: float) -> bool:
-        """Whether a delta's size is far outside what the *other* learners recently sent.
-
-        The statistic is the delta's norm per inner step, so a delta covering
-        more steps is not mistaken for an attack. A learner is compared with its
-        peers only, and each learner keeps just its last few observations, so
-        one bad learner can neither raise its own bar nor flood the window.
-        Refused observations still count: if every learner legitimately grows
-        (say, after warmup), the peers' values follow and the bar moves with them.
-        """
-        peers = [x for name, window in self._norms.items() if name != learner for x in window]
-        outlier = (
-            len(peers) >= QUARANTINE_MIN_SAMPLES
-            and norm_per_step > self.params.quarantine_factor * statistics.median(peers)
-        )
-        self._norms.setdefault(learner, deque(maxlen=QUARANTINE_WINDOW)).append(norm_per_step)
-        return outlier
-
     def should_close(
         self, now: float, live: set[str], step_s: float | None, known: int = 0
     ) -> bool:
@@ -226,40 +263,101 @@ class FragmentState:
     def close_at(self, step_s: float | None) -> float | None:
         return self.round.close_at(step_s)
 
-    def close(self) -> RoundResult:
+    def close(self, wall_s: float) -> RoundResult:
         """Merge the round into a new version. The caller makes it durable, then
-        publishes ``payload`` and acks ``refs``, then calls :meth:`round_done`."""
+        publishes ``payload`` and acks ``refs``, then calls :meth:`round_done`.
+
+        First the quarantine: a delta whose norm per step is above the bar
+        (:func:`syncer.trust.quarantine_bar`) is scaled down to it or refused.
+        If every delta was refused, nothing is published (``published`` is
+        False) and the refs are only to be acked. ``wall_s`` dates the version.
+        """
         if not self._pending:
             raise RuntimeError("no deltas to merge")
         contributions = [self._pending[slot] for slot in sorted(self._pending)]
-        merge = radial_directional_mean if self.params.aggregation == "radial" else weighted_mean
-        merged = merge([c.grad for c in contributions], [c.weight for c in contributions])
+        kept, clipped, refused = self._quarantine(contributions)
+        refs = [c.ref for c in contributions] + list(self._held.values())
+        self._pending = {}
+        self._held = {}
+        if not kept:
+            return RoundResult(
+                self.version, self.payload, 0, 0, refs, refused=[self._key(c) for c in refused]
+            )
+        weights = clip_weights([c.weight for c in kept], self.params.weight_clip)
+        merged = self._merge([self._rebased(c) for c in kept], weights)
         master, momentum = nesterov_step(
             self.master, merged, self.momentum, self.params.outer_lr, self.params.outer_momentum
         )
         if not torch.isfinite(master).all():
             # Finite inputs can still overflow; never publish a broken model.
-            refs = [c.ref for c in contributions] + list(self._held.values())
-            self._pending = {}
-            self._held = {}
             raise RoundOverflow(f"fragment {self.fragment}: outer step overflowed", refs)
         self.master, self.momentum = master, momentum
         published, self.payload = canonical(self.codec, self.master)
-        self.history.push(self.version + 1, published)
-        for c in contributions:
+        self._push(published, wall_s)
+        for c in kept:
             self.applied[c.learner] = max(c.key, self.applied.get(c.learner, c.key))
-        result = RoundResult(
+            self.recent_norms.append(c.norm_per_step)
+        return RoundResult(
             self.version,
             self.payload,
-            len(contributions),
-            self._new_tokens(contributions),
-            [c.ref for c in contributions] + list(self._held.values()),
-            sorted({c.learner for c in contributions}),
-            [(c.learner, *c.key) for c in contributions],
+            len(kept),
+            self._new_tokens(kept),
+            refs,
+            sorted({c.learner for c in kept}),
+            [self._key(c) for c in kept],
+            clipped=[self._key(c) for c in clipped],
+            refused=[self._key(c) for c in refused],
+            weights_clipped=sum(w < c.weight for w, c in zip(weights, kept, strict=True)),
         )
-        self._pending = {}
-        self._held = {}
-        return result
+
+    @staticmethod
+    def _key(c: _Contribution) -> tuple[str, int, int]:
+        return (c.learner, *c.key)
+
+    def _quarantine(
+        self, contributions: list[_Contribution]
+    ) -> tuple[list[_Contribution], list[_Contribution], list[_Contribution]]:
+        """(kept, clipped among the kept, refused). A clipped delta is scaled in
+        place to the bar, and its norm per step becomes the bar."""
+        p = self.params
+        bar = quarantine_bar(
+            self.recent_norms,
+            [c.norm_per_step for c in contributions],
+            p.quarantine_window,
+            p.quarantine_factor,
+        )
+        if bar is None:
+            return contributions, [], []
+        outliers = [c for c in contributions if c.norm_per_step > bar]
+        if p.quarantine_action == "refuse":
+            return [c for c in contributions if c.norm_per_step <= bar], [], outliers
+        for c in outliers:
+            c.delta = c.delta * (bar / c.norm_per_step)
+            c.norm_per_step = bar
+        return contributions, outliers, []
+
+    def _rebased(self, c: _Contribution) -> torch.Tensor:
+        # Against the fp32 master: the learner's weights are base - delta exactly.
+        return outer_gradient(c.delta, self.history.get(c.base_version), self.master)
+
+    def _merge(self, grads: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        aggregation = self.params.aggregation
+        if aggregation == "mean":
+            return weighted_mean(grads, weights)
+        if aggregation == "radial":
+            return radial_directional_mean(grads, weights)
+        if aggregation == "trimmed_mean":
+            return trimmed_mean(grads, self.params.trim_per_side)
+        if aggregation == "coordinate_median":
+            return coordinate_median(grads)
+        raise ValueError(f"unknown aggregation {aggregation!r}")
+
+    def _push(self, weights: torch.Tensor, wall_s: float) -> None:
+        """Keep ``weights`` as the next version, published at ``wall_s``."""
+        self.history.push(self.version + 1, weights)
+        self.published_at[self.version] = wall_s
+        kept = {v for v, _ in self.history.items()}
+        self.published_at = {v: t for v, t in self.published_at.items() if v in kept}
 
     def _new_tokens(self, contributions: list[_Contribution]) -> int:
         """Tokens whose updates reach the global model for the first time in this round.
@@ -293,10 +391,14 @@ class FragmentState:
             "codec": self.codec.name,
             "applied": {k: list(v) for k, v in self.applied.items()},
             "merged_step": self.merged_step,
+            "published_at": {str(v): t for v, t in self.published_at.items()},
+            "recent_norms": list(self.recent_norms),
         }
         return tensors, meta
 
-    def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], wall_s: float) -> None:
+        """Restore :meth:`state`; ``wall_s`` dates a version published afresh
+        because the downlink codec changed."""
         versions = sorted(int(k.split(".", 1)[1]) for k in tensors if k.startswith("version."))
         if not versions or versions[-1] != meta["version"]:
             raise ValueError(
@@ -323,6 +425,12 @@ class FragmentState:
         self.momentum = None if momentum is None else momentum.to(torch.float32)
         self.applied = {k: (int(v[0]), int(v[1])) for k, v in meta["applied"].items()}
         self.merged_step = {k: int(v) for k, v in meta.get("merged_step", {}).items()}
+        # A version whose publication time is unknown counts as published long
+        # ago (0.0): the step bound may then be loose for it, never wrong.
+        published_at = {int(v): float(t) for v, t in meta.get("published_at", {}).items()}
+        self.published_at = {v: published_at.get(v, 0.0) for v in versions}
+        self.recent_norms.clear()
+        self.recent_norms.extend(float(x) for x in meta.get("recent_norms", []))
         payload = tensors["payload"].numpy().tobytes()
         if meta.get("codec") == self.codec.name and self._decodes_to_current(payload):
             self.payload = payload
@@ -332,7 +440,7 @@ class FragmentState:
             # version, so learners rebase on exactly what they decode while
             # deltas on older versions stay exact too.
             published, self.payload = canonical(self.codec, self.master)
-            self.history.push(self.version + 1, published)
+            self._push(published, wall_s)
 
     def _decodes_to_current(self, payload: bytes) -> bool:
         try:

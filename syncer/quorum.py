@@ -1,12 +1,15 @@
-"""When to close a fragment's round: quorum K plus an adaptive grace window.
+"""When to close a fragment's round: quorum K plus an adaptive grace window,
+counting only the learners on the roster.
 
-Pure state machine: the clock is passed in as ``now`` (seconds, any
+Pure state machines: the clock is passed in as ``now`` (seconds, any
 monotonic origin), nothing sleeps. The event loop asks :meth:`Round.close_at`
-for its next wake-up and :meth:`Round.should_close` whenever something happens.
+for its next wake-up and :meth:`Round.should_close` whenever something happens,
+with the live learners and step times of its :class:`Roster`.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Collection
 
 
@@ -89,7 +92,8 @@ class Round:
     def should_close(
         self, now: float, live: Collection[str], step_s: float | None, known: int = 0
     ) -> bool:
-        """``live``: learners heard from recently; ``known``: learners ever heard from."""
+        """``live``: learners heard from recently; ``known``: learners that joined.
+        The service passes the roster's (:class:`Roster`), never raw heartbeats."""
         if self.opened_at is None:
             return False
         all_live_reported = all(learner in self.reporters for learner in live)
@@ -111,3 +115,115 @@ class Round:
         self.reporters = set()
         self.opened_at = None
         self.quorum_at = None
+
+
+class Roster:
+    """The learners a syncer counts: liveness, quorum and step times come from them only.
+
+    A learner id joins with its first accepted delta (the syncer answers no
+    snapshot request itself, the transport does, so a delta is the first
+    thing of a learner it can vouch for); after a restart the roster is the
+    learners whose deltas the checkpoint records as applied. At most ``cap``
+    ids are on it, so made-up ids cannot grow the syncer's memory or out-vote
+    the learners; when it is full, a new id takes the place of the member
+    silent the longest, and only if that one has been silent for longer than
+    the heartbeat timeout (a learner replaced under a new id gets its slot, a
+    live one is never displaced).
+
+    Heartbeats of ids not on the roster are ignored: they neither keep a
+    learner live nor count towards "every live learner reported" nor feed step
+    times, so forged heartbeats can neither hold a round open, nor stretch its
+    grace window, nor stand in for a quorum.
+    """
+
+    def __init__(
+        self,
+        cap: int,
+        heartbeat_timeout_s: float,
+        now: float,
+        members: Collection[str] = (),
+        ema_alpha: float = 0.1,
+    ) -> None:
+        if cap < 1:
+            raise ValueError(f"roster cap must be >= 1, got {cap}")
+        self.cap = cap
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.ema_alpha = ema_alpha
+        self.members: set[str] = set(members)
+        # Restored members are not live until heard from (a restart must not
+        # wait for the dead), but count as silent only from now on.
+        self.created_at = now
+        self.last_heard: dict[str, float] = {}
+        self.step_s: dict[str, Ema] = {}
+
+    def __contains__(self, learner: str) -> bool:
+        return learner in self.members
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def _silent_since(self, learner: str) -> float:
+        return self.last_heard.get(learner, self.created_at)
+
+    def _evictable(self, now: float) -> str | None:
+        """The member a newcomer may replace when the roster is full, if any."""
+        if not self.members:
+            return None
+        quietest = min(self.members, key=lambda name: (self._silent_since(name), name))
+        if now - self._silent_since(quietest) > self.heartbeat_timeout_s:
+            return quietest
+        return None
+
+    def admits(self, learner: str, now: float) -> bool:
+        """Whether a delta of ``learner`` may be taken: it is on the roster, or
+        there is room, or a silent member can make room."""
+        return (
+            learner in self.members
+            or len(self.members) < self.cap
+            or self._evictable(now) is not None
+        )
+
+    def join(self, learner: str, now: float) -> str | None:
+        """An accepted delta: the learner is on the roster, and live. Returns the
+        member it displaced, if any."""
+        evicted = None
+        if learner not in self.members and len(self.members) >= self.cap:
+            evicted = self._evictable(now)
+            if evicted is None:
+                raise ValueError(f"roster full ({self.cap}): {learner} cannot join")
+            self.members.discard(evicted)
+            self.last_heard.pop(evicted, None)
+            self.step_s.pop(evicted, None)
+        self.members.add(learner)
+        self.last_heard[learner] = now
+        return evicted
+
+    def heard(self, learner: str, now: float, step_time_s: float = 0.0) -> bool:
+        """A heartbeat; False (and nothing recorded) if ``learner`` is not on the roster.
+
+        ``step_time_s`` is capped at the heartbeat timeout: one stalled step
+        (or a lying peer) must not stretch every grace window past the time a
+        dead learner takes to be noticed.
+        """
+        if learner not in self.members:
+            return False
+        self.last_heard[learner] = now
+        if step_time_s > 0:
+            ema = self.step_s.setdefault(learner, Ema(self.ema_alpha))
+            ema.update(min(step_time_s, self.heartbeat_timeout_s))
+        return True
+
+    def live(self, now: float) -> set[str]:
+        """Members heard from (heartbeat or accepted delta) within the heartbeat timeout."""
+        timeout = self.heartbeat_timeout_s
+        return {name for name, t in self.last_heard.items() if now - t <= timeout}
+
+    def step_times(self) -> dict[str, float]:
+        """Each member's measured step time, where one is known."""
+        return {name: e.value for name, e in self.step_s.items() if e.value is not None}
+
+    def median_step_s(self) -> float | None:
+        """The roster's typical step time (the grace window's xi_step): the median
+        of the members' own averages, so one lying member cannot move it far."""
+        times = list(self.step_times().values())
+        return statistics.median(times) if times else None

@@ -10,6 +10,11 @@ durability order that makes application exactly-once:
 A crash before the rename re-delivers the round's deltas to the restarted
 syncer, which merges them again from the same old state; a crash after it
 re-delivers deltas that the de-duplication state in the checkpoint refuses.
+
+Nothing a learner says is trusted further than the syncer can check it
+(:mod:`syncer.trust`): liveness, quorum and step times count only learners on
+the roster (:class:`syncer.quorum.Roster`), every figure a delta reports is
+bounded, and every refused delta is counted by its reason.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,11 +43,13 @@ from syncer.fragment_state import (
     ACCEPTED,
     DUPLICATE,
     HELD,
+    QUARANTINED,
     AggregationParams,
     FragmentState,
     RoundOverflow,
 )
-from syncer.quorum import Ema
+from syncer.quorum import Roster
+from syncer.trust import ReportLimits, credited_step_s
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +64,19 @@ class _Metrics:
         self.deltas_rejected = PromCounter(
             "ddiloco_syncer_deltas_rejected", "Deltas refused", ["reason"], registry=r
         )
+        self.duplicates = PromCounter(
+            "ddiloco_syncer_deltas_duplicate", "Deltas already applied (acked)", registry=r
+        )
+        self.deltas_clipped = PromCounter(
+            "ddiloco_syncer_deltas_clipped", "Deltas scaled down to the quarantine bar", registry=r
+        )
+        self.weights_clipped = PromCounter(
+            "ddiloco_syncer_weights_clipped", "Weights capped against the round median", registry=r
+        )
+        self.heartbeats_ignored = PromCounter(
+            "ddiloco_syncer_heartbeats_ignored", "Heartbeats of ids not on the roster", registry=r
+        )
+        self.roster = Gauge("ddiloco_syncer_roster", "Learner ids on the roster", registry=r)
         self.rounds = PromCounter(
             "ddiloco_syncer_rounds", "Globals published", ["fragment"], registry=r
         )
@@ -81,10 +102,12 @@ class Syncer:
         self,
         cfg: SyncerConfig,
         transport: SyncerTransport | None = None,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
-        self.clock = clock
+        self.clock = clock  # times rounds
+        self.wall_clock = wall_clock  # dates versions: step bounds hold across restarts
         run, outer = cfg.run, cfg.outer
         initial = read_initial_model(Path(run.initial_model))
         self.plan = initial.plan
@@ -106,15 +129,27 @@ class Syncer:
             outer_momentum=outer.outer_momentum,
             aggregation=outer.aggregation,
             codec=run.global_codec,
+            limits=ReportLimits(
+                # Twice the steps between two sends of a fragment: a learner's
+                # first delta, before its pace is known, covers at most one.
+                step_floor=2 * run.sync_every,
+                max_tokens_per_step=outer.max_tokens_per_step,
+                max_clock_skew_s=outer.max_clock_skew_s,
+            ),
+            weight_clip=outer.weight_clip,
             quarantine_factor=outer.quarantine_factor,
+            quarantine_window=outer.quarantine_window,
+            quarantine_action=outer.quarantine_action,
+            trim_per_side=outer.trim_per_side,
         )
         self.states: dict[int, FragmentState] = {}
         resumed = []
+        started_s = self.wall_clock()
         for p in self.owned:
-            state = FragmentState(p, initial.fragment(p), params)
+            state = FragmentState(p, initial.fragment(p), params, published_s=started_s)
             saved = load_fragment(self.checkpoint_dir, p)
             if saved is not None:
-                state.load(*saved)
+                state.load(*saved, wall_s=started_s)
                 resumed.append(f"{p}@v{state.version}")
             self.states[p] = state
         if resumed:
@@ -126,11 +161,14 @@ class Syncer:
         self.rejected: Counter[str] = Counter()
         self.deltas_applied = 0
         self.duplicates = 0
+        self.deltas_clipped = 0
+        self.weights_clipped = 0
+        self.heartbeats_ignored = 0
         self.rounds = 0
         self.merged_tokens = 0
-        self.last_heartbeat: dict[str, float] = {}
-        self.learner_tokens: dict[str, int] = {}
-        self.step_s = Ema(0.1)
+        # After a restart, the learners the checkpoint has applied deltas of.
+        members = {name for s in self.states.values() for name in s.applied}
+        self.roster = Roster(cfg.roster_cap, run.heartbeat_timeout_s, self.clock(), members)
         self.events = EventLog(cfg.metrics_file)
         self.stop_requested = threading.Event()
         self.drain_requested = threading.Event()
@@ -161,8 +199,7 @@ class Syncer:
         self.events.write(kind, **fields)
 
     def live_learners(self, now: float) -> set[str]:
-        timeout = self.cfg.run.heartbeat_timeout_s
-        return {name for name, t in self.last_heartbeat.items() if now - t <= timeout}
+        return self.roster.live(now)
 
     # -- the loop --------------------------------------------------------
     def run(self, max_seconds: float | None = None) -> None:
@@ -173,60 +210,76 @@ class Syncer:
 
     def step(self) -> None:
         now = self.clock()
-        deadlines = [
-            d for s in self.states.values() if (d := s.close_at(self.step_s.value)) is not None
-        ]
+        step_s = self.roster.median_step_s()
+        deadlines = [d for s in self.states.values() if (d := s.close_at(step_s)) is not None]
         timeout = min([0.2] + [max(0.0, d - now) for d in deadlines])
-        items = self.transport.receive(timeout)
-        now = self.clock()
-        to_ack: list[Inbound] = []
-        for item in items:
-            if isinstance(item.message, Heartbeat):
-                self._on_heartbeat(item.message, now)
-            elif isinstance(item.message, Delta) and self._on_delta(item, now):
-                to_ack.append(item)
-        if to_ack:
-            self.transport.ack(to_ack)
-        live = self.live_learners(now)
-        for p, state in self.states.items():
-            if state.should_close(now, live, self.step_s.value, len(self.last_heartbeat)):
-                self.close_round(p)
-        self.metrics.live.set(len(live))
-        self.metrics.bytes_in.set(self.transport.stats.bytes_received)
-        self.metrics.bytes_out.set(self.transport.stats.bytes_sent)
+        self.handle(self.transport.receive(timeout))
         if self.drain_requested.is_set():
             self.drain_requested.clear()
             self.drain()
 
-    def _on_heartbeat(self, hb: Heartbeat, now: float) -> None:
-        self.last_heartbeat[hb.learner_id] = now
-        self.learner_tokens[hb.learner_id] = hb.tokens
-        if hb.step_time_s > 0:
-            # Capped: one stalled step (or a lying peer) must not stretch every
-            # grace window past the time a dead learner takes to be noticed.
-            self.step_s.update(min(hb.step_time_s, self.cfg.run.heartbeat_timeout_s))
+    def handle(self, items: list[Inbound]) -> None:
+        """Take in what :meth:`step` received, ack what is done with, close ready rounds."""
+        now, wall_s = self.clock(), self.wall_clock()
+        # Heartbeats first: a learner's pace, which bounds its deltas' step
+        # counts, is then known even when its first heartbeat after a syncer
+        # restart arrived in the same batch as its delta.
+        for item in items:
+            if isinstance(item.message, Heartbeat):
+                self._on_heartbeat(item.message, now)
+        to_ack = [
+            item
+            for item in items
+            if isinstance(item.message, Delta) and self._on_delta(item, now, wall_s)
+        ]
+        if to_ack:
+            self.transport.ack(to_ack)
+        live = self.live_learners(now)
+        step_s = self.roster.median_step_s()
+        for p, state in self.states.items():
+            if state.should_close(now, live, step_s, len(self.roster)):
+                self.close_round(p)
+        self.metrics.live.set(len(live))
+        self.metrics.roster.set(len(self.roster))
+        self.metrics.bytes_in.set(self.transport.stats.bytes_received)
+        self.metrics.bytes_out.set(self.transport.stats.bytes_sent)
 
-    def _reject(self, reason: str, delta: Delta) -> None:
+    def _on_heartbeat(self, hb: Heartbeat, now: float) -> None:
+        if not self.roster.heard(hb.learner_id, now, hb.step_time_s):
+            # Not on the roster: anyone can send a heartbeat under a made-up id.
+            self.heartbeats_ignored += 1
+            self.metrics.heartbeats_ignored.inc()
+
+    def _reject(self, reason: str, learner: str, fragment: int, seq: int) -> None:
         self.rejected[reason] += 1
         self.metrics.deltas_rejected.labels(reason).inc()
-        log.warning(
-            "rejected delta %s/%d from %s: %s", delta.fragment, delta.seq, delta.learner_id, reason
-        )
-        self.event("reject", reason=reason, learner=delta.learner_id, fragment=delta.fragment)
+        log.warning("rejected delta %s/%d from %s: %s", fragment, seq, learner, reason)
+        self.event("reject", reason=reason, learner=learner, fragment=fragment)
 
-    def _on_delta(self, item: Inbound, now: float) -> bool:
+    def _credited_step_s(self, learner: str) -> float | None:
+        times = self.roster.step_times()
+        return credited_step_s(times.get(learner), list(times.values()))
+
+    def _refusal_by_metadata(self, d: Delta, state: FragmentState | None, now: float) -> str | None:
+        """Why a delta is refused before its payload is looked at, or None."""
+        if state is None:
+            return "not_owned"
+        if d.plan_hash != self.plan.plan_hash:
+            return "wrong_plan"
+        if d.numel != state.numel:
+            return "bad_shape"
+        if not self.roster.admits(d.learner_id, now):
+            return "roster_full"  # a new id, and every member is live
+        return None
+
+    def _on_delta(self, item: Inbound, now: float, wall_s: float) -> bool:
         """Offer a delta; True if it can be acknowledged right away."""
         d = item.message
         assert isinstance(d, Delta)
         state = self.states.get(d.fragment)
-        if state is None:
-            self._reject("not_owned", d)
-            return True
-        if d.plan_hash != self.plan.plan_hash:
-            self._reject("wrong_plan", d)
-            return True
-        if d.numel != state.numel:
-            self._reject("bad_shape", d)
+        refusal = self._refusal_by_metadata(d, state, now)
+        if refusal is not None or state is None:
+            self._reject(refusal or "not_owned", d.learner_id, d.fragment, d.seq)
             return True
         # What the round keeps until it closes: the ack token, not the payload.
         ref = Inbound(replace(d, payload=b""), item.token)
@@ -235,16 +288,21 @@ class Syncer:
             try:
                 tensor = d.tensor()
             except WireError as e:
-                self._reject(e.reason, d)
+                self._reject(e.reason, d.learner_id, d.fragment, d.seq)
                 return True
-            status = state.offer(d, tensor, ref, now)
+            step_s = self._credited_step_s(d.learner_id)
+            status = state.offer(d, tensor, ref, now, wall_s=wall_s, step_s=step_s)
         if status in (ACCEPTED, HELD):
-            self.last_heartbeat[d.learner_id] = now  # a valid delta also proves liveness
+            evicted = self.roster.join(d.learner_id, now)  # a valid delta also proves liveness
+            if evicted is not None:
+                log.info("%s joins the roster in place of %s (silent)", d.learner_id, evicted)
+                self.event("roster_replace", learner=d.learner_id, replaced=evicted)
             return False
         if status == DUPLICATE:
             self.duplicates += 1
+            self.metrics.duplicates.inc()
             return True
-        self._reject(status, d)
+        self._reject(status, d.learner_id, d.fragment, d.seq)
         return True
 
     def close_round(self, p: int) -> None:
@@ -253,14 +311,20 @@ class Syncer:
         quorum_s = None
         if state.round.quorum_at is not None and state.round.opened_at is not None:
             quorum_s = state.round.quorum_at - state.round.opened_at
-        grace_s = state.round.grace_window_s(self.step_s.value)
+        grace_s = state.round.grace_window_s(self.roster.median_step_s())
         try:
-            result = state.close()
+            result = state.close(self.wall_clock())
         except RoundOverflow as e:
             log.error("%s: refusing its %d deltas", e, len(e.refs))
-            self.rejected["overflow"] += len(e.refs)
-            self.metrics.deltas_rejected.labels("overflow").inc(len(e.refs))
+            for ref in e.refs:
+                self._reject("overflow", ref.message.learner_id, p, ref.message.seq)
             self.transport.ack(e.refs)
+            state.round_done(0.0)
+            return
+        for learner, _, seq in result.refused:
+            self._reject(QUARANTINED, learner, p, seq)
+        if not result.published:  # quarantine refused every delta: nothing changed
+            self.transport.ack(result.refs)
             state.round_done(0.0)
             return
         tensors, meta = state.state()
@@ -274,6 +338,10 @@ class Syncer:
         self.merged_tokens += result.tokens
         self.metrics.rounds.labels(str(p)).inc()
         self.metrics.deltas_applied.inc(result.included)
+        self.deltas_clipped += len(result.clipped)
+        self.weights_clipped += result.weights_clipped
+        self.metrics.deltas_clipped.inc(len(result.clipped))
+        self.metrics.weights_clipped.inc(result.weights_clipped)
         self.metrics.version.labels(str(p)).set(result.version)
         self.metrics.sync_s.set(sync_s)
         self.metrics.grace_s.labels(str(p)).set(grace_s)
@@ -287,6 +355,8 @@ class Syncer:
             tokens=result.tokens,
             learners=result.learners,
             keys=result.keys,
+            clipped=result.clipped,
+            weights_clipped=result.weights_clipped,
             quorum_s=quorum_s,
             grace_s=grace_s,
             sync_s=sync_s,
@@ -326,14 +396,22 @@ class Syncer:
         self.events.close()
 
     def summary(self) -> dict[str, Any]:
+        """Totals of the run. ``deltas_rejected`` is every refused entry, whatever
+        its reason (frames the transport refused too, as ``transport_<reason>``):
+        it is the sum of ``rejected_by_reason``. Duplicates are acked, not
+        refused, and counted beside it."""
         stats = self.transport.stats
+        by_reason = dict(self.rejected) | {f"transport_{k}": v for k, v in stats.rejected.items()}
         return {
             "fragments_published": self.rounds,
             "deltas_applied": self.deltas_applied,
-            "deltas_rejected": sum(self.rejected.values()),
-            "rejected_by_reason": dict(self.rejected)
-            | {f"transport_{k}": v for k, v in stats.rejected.items()},
+            "deltas_rejected": sum(by_reason.values()),
+            "rejected_by_reason": by_reason,
             "duplicates": self.duplicates,
+            "deltas_clipped": self.deltas_clipped,
+            "weights_clipped": self.weights_clipped,
+            "heartbeats_ignored": self.heartbeats_ignored,
+            "roster": sorted(self.roster.members),
             "merged_tokens": self.merged_tokens,
             "bytes_received": stats.bytes_received,
             "bytes_sent": stats.bytes_sent,

@@ -25,10 +25,15 @@ from syncer.fragment_state import (
     FragmentState,
     canonical,
 )
+from syncer.trust import ReportLimits
 
 torch.set_num_threads(1)
 
 LR, MU = 0.7, 0.9
+# The syncer's wall clock (s): version 0 is published at T0, deltas arrive at
+# T0 + 10, rounds close at T1. Without a step time the step bound is the floor.
+T0, T1 = 1_000.0, 1_020.0
+LIMITS = ReportLimits(step_floor=64, max_tokens_per_step=1_000, max_clock_skew_s=60.0)
 W0 = np.array([1.0, -2.0, 0.5, 3.0, -1.5, 0.25, 0.0, 2.0])
 N = W0.size
 # Three learners' first deltas, with their counters and hand-computed weights
@@ -65,7 +70,11 @@ def params(**over: Any) -> AggregationParams:
         outer_momentum=MU,
         aggregation="mean",
         codec="fp32",
+        limits=LIMITS,
+        weight_clip=3.0,
         quarantine_factor=10.0,
+        quarantine_window=16,
+        quarantine_action="clip",
     )
     values.update(over)
     values["codec"] = Codec.parse(values["codec"])
@@ -110,9 +119,11 @@ def offer(
     tensor: torch.Tensor | np.ndarray | list[float],
     ref: Any = None,
     now: float = 0.0,
+    wall_s: float = T0 + 10.0,
+    step_s: float | None = None,
 ) -> str:
     t = tensor if isinstance(tensor, torch.Tensor) else f32(tensor)
-    return state.offer(d, t, ref, now)
+    return state.offer(d, t, ref, now, wall_s=wall_s, step_s=step_s)
 
 
 def offer_round1(state: FragmentState) -> None:
@@ -135,11 +146,11 @@ def expected_round1(w0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 # -- one round, exact codec ----------------------------------------------------
 def test_round_of_three_matches_numpy_fp32() -> None:
-    state = FragmentState(0, f32(W0), params())
+    state = FragmentState(0, f32(W0), params(), published_s=T0)
     assert state.version == 0
     offer_round1(state)
     assert state.pending_learners == ["a", "b", "c"]
-    result = state.close()
+    result = state.close(T1)
 
     new, buf = expected_round1(W0)
     np.testing.assert_allclose(np64(state.weights), new, rtol=0, atol=2e-6)
@@ -163,14 +174,14 @@ def test_round_of_three_matches_numpy_fp32() -> None:
 
 def test_round_of_three_int8_publishes_the_decoded_fp32_result() -> None:
     codec = Codec.parse("int8")
-    state = FragmentState(0, f32(W0), params(codec="int8"))
+    state = FragmentState(0, f32(W0), params(codec="int8"), published_s=T0)
     # The initial global is already what learners decode.
     v0 = codec.decode(codec.encode(f32(W0)), N)
     assert torch.equal(state.weights, v0)
     assert state.payload == codec.encode(f32(W0))
 
     offer_round1(state)
-    result = state.close()
+    result = state.close(T1)
     new, _ = expected_round1(np64(v0))
     expected = codec.decode(codec.encode(f32(new)), N)
     assert torch.equal(state.weights, expected)
@@ -192,9 +203,11 @@ def test_canonical_returns_what_the_codec_decodes() -> None:
 
 # -- a stale learner is rebased ------------------------------------------------
 def test_second_round_rebases_a_learner_one_version_behind() -> None:
-    state = FragmentState(0, f32(W0), params())
+    # Round 2's weights (500 and 1600) are 3.2x apart: a clip above that keeps
+    # them exact (test_weight_clip_* cover the clip).
+    state = FragmentState(0, f32(W0), params(weight_clip=4.0), published_s=T0)
     offer_round1(state)
-    state.close()
+    state.close(T1)
     v0 = W0
     v1 = np64(state.weights)  # what the syncer rebases against (numpy-checked above)
     _, buf1 = expected_round1(W0)
@@ -203,7 +216,7 @@ def test_second_round_rebases_a_learner_one_version_behind() -> None:
     d_b = np.array([0.1, 0.1, -0.1, -0.2, 0.0, 0.3, 0.1, -0.1])  # b trained from v1
     assert offer(state, delta("a", 2, 0, c_tokens=50, c_steps=5), d_a, "a2") == ACCEPTED
     assert offer(state, delta("b", 2, 1, c_tokens=80, c_steps=4), d_b, "b2") == ACCEPTED
-    result = state.close()
+    result = state.close(T1)
 
     # a's weights theta_a = v0 - d_a; its outer gradient is against v1.
     g_a = v1 - (v0 - d_a)
@@ -225,20 +238,20 @@ def test_second_round_rebases_a_learner_one_version_behind() -> None:
 
 
 def test_staleness_one_keeps_only_the_current_version() -> None:
-    state = FragmentState(0, f32(W0), params(staleness=1))
+    state = FragmentState(0, f32(W0), params(staleness=1), published_s=T0)
     offer_round1(state)
-    state.close()
+    state.close(T1)
     assert offer(state, delta("a", 2, 0), ROUND1["a"]["delta"]) == "stale"
     assert offer(state, delta("a", 2, 2), ROUND1["a"]["delta"]) == "future_version"
     assert offer(state, delta("a", 2, 1), ROUND1["a"]["delta"]) == ACCEPTED
 
 
 def test_first_version_may_be_nonzero() -> None:
-    state = FragmentState(0, f32(W0), params(), version=7)
+    state = FragmentState(0, f32(W0), params(), version=7, published_s=T0)
     assert state.version == 7
     assert offer(state, delta("a", 0, 6), ROUND1["a"]["delta"]) == "stale"
     assert offer(state, delta("a", 0, 7), ROUND1["a"]["delta"]) == ACCEPTED
-    assert state.close().version == 8
+    assert state.close(T1).version == 8
 
 
 # -- duplicates, resends, superseding ------------------------------------------
@@ -248,42 +261,42 @@ def plain_average() -> AggregationParams:
 
 
 def test_replay_of_an_applied_delta_is_a_duplicate() -> None:
-    state = FragmentState(0, f32(W0), params())
+    state = FragmentState(0, f32(W0), params(), published_s=T0)
     offer_round1(state)
-    state.close()
+    state.close(T1)
     before = state.weights.clone()
     d = ROUND1["a"]["delta"]
     assert offer(state, delta("a", 1, 0), d, "replay") == DUPLICATE  # same key
     assert offer(state, delta("a", 0, 0), d, "older") == DUPLICATE  # older key
     assert state.pending_learners == []
     with pytest.raises(RuntimeError):
-        state.close()  # nothing was taken in
+        state.close(T1)  # nothing was taken in
     assert torch.equal(state.weights, before) and state.version == 1
 
 
 def test_resend_of_a_pending_delta_is_held_and_acked_on_close() -> None:
-    state = FragmentState(0, f32(W0), plain_average())
+    state = FragmentState(0, f32(W0), plain_average(), published_s=T0)
     d = np.full(N, 0.25)
     assert offer(state, delta("a", 3, 0), d, "first") == ACCEPTED
     assert offer(state, delta("a", 3, 0), d, "resend") == HELD
     assert offer(state, delta("a", 2, 0), d, "late-older") == HELD
-    result = state.close()
+    result = state.close(T1)
     assert result.included == 1 and result.keys == [("a", 0, 3)]
     assert sorted(result.refs) == ["first", "late-older", "resend"]
     np.testing.assert_allclose(np64(state.weights), W0 - d, rtol=0, atol=1e-6)
     # The held refs were handed over once; the next round starts clean.
     assert offer(state, delta("b", 0, 1), d, "b0") == ACCEPTED
-    assert state.close().refs == ["b0"]
+    assert state.close(T1).refs == ["b0"]
 
 
 def test_newer_delta_of_the_same_learner_supersedes_the_older() -> None:
-    state = FragmentState(0, f32(W0), plain_average())
+    state = FragmentState(0, f32(W0), plain_average(), published_s=T0)
     old = np.full(N, 1.0)
     new = np.linspace(-0.5, 0.5, N)
     assert offer(state, delta("a", 3, 0, c_tokens=10, c_steps=1), old, "a3") == ACCEPTED
     assert offer(state, delta("a", 4, 0, c_tokens=20, c_steps=2), new, "a4") == ACCEPTED
     assert state.pending_learners == ["a"]
-    result = state.close()
+    result = state.close(T1)
     assert result.included == 1
     assert result.keys == [("a", 0, 4)]
     assert result.tokens == 20  # only the newer delta's tokens
@@ -294,14 +307,14 @@ def test_newer_delta_of_the_same_learner_supersedes_the_older() -> None:
 
 
 def test_new_incarnation_is_accepted_after_the_old_one_was_applied() -> None:
-    state = FragmentState(0, f32(W0), plain_average())
+    state = FragmentState(0, f32(W0), plain_average(), published_s=T0)
     d = np.full(N, 0.5)
     assert offer(state, delta("a", 9, 0), d) == ACCEPTED
-    state.close()
+    state.close(T1)
     assert state.applied == {"a": (0, 9)}
     # A restarted learner numbers its deltas from 0 again under a higher incarnation.
     assert offer(state, delta("a", 0, 1, incarnation=1), d, "inc1") == ACCEPTED
-    result = state.close()
+    result = state.close(T1)
     assert result.keys == [("a", 1, 0)]
     assert state.applied == {"a": (1, 0)}
     assert offer(state, delta("a", 9, 1, incarnation=0), d) == DUPLICATE
@@ -324,7 +337,7 @@ def test_new_incarnation_is_accepted_after_the_old_one_was_applied() -> None:
 def test_bad_deltas_are_refused_with_their_reason(
     tensor: torch.Tensor, c_tokens: int, c_steps: int, reason: str
 ) -> None:
-    state = FragmentState(0, f32(W0), params())
+    state = FragmentState(0, f32(W0), params(), published_s=T0)
     assert offer(state, delta("a", 0, 0, c_tokens=c_tokens, c_steps=c_steps), tensor) == reason
     assert state.pending_learners == []
     # A refusal is not a key the learner has used up.
@@ -332,9 +345,9 @@ def test_bad_deltas_are_refused_with_their_reason(
 
 
 def test_close_with_nothing_pending_raises() -> None:
-    state = FragmentState(0, f32(W0), params())
+    state = FragmentState(0, f32(W0), params(), published_s=T0)
     with pytest.raises(RuntimeError, match="no deltas"):
-        state.close()
+        state.close(T1)
 
 
 # -- quarantine ----------------------------------------------------------------
@@ -343,84 +356,174 @@ def unit(scale: float, n: int = N) -> np.ndarray:
     return np.full(n, scale / np.sqrt(n))
 
 
-def test_outlier_is_quarantined_and_others_still_accepted() -> None:
-    state = FragmentState(0, f32(W0), params())
-    for i in range(5):  # norm per step 1.0 each
+def honest_round(state: FragmentState, seq: int, learners: int = 5, scale: float = 1.0) -> None:
+    """Every learner sends a delta of norm ``scale`` per step on the current version."""
+    for i in range(learners):
+        d = delta(f"l{i}", seq, state.version, c_steps=1)
+        assert offer(state, d, unit(scale)) == ACCEPTED
+
+
+def test_outlier_is_clipped_to_the_bar_by_default() -> None:
+    """Five deltas of norm 1 per step set the bar at 10 (warm-up: the round's own
+    median); a delta of 100 per step is scaled down to 10 per step and merged."""
+    state = FragmentState(0, f32(W0), plain_average(), published_s=T0)
+    for i in range(5):
         assert offer(state, delta(f"l{i}", 0, 0, c_steps=2), unit(2.0), f"l{i}") == ACCEPTED
-    assert offer(state, delta("bad", 0, 0, c_steps=2), unit(200.0), "bad") == "quarantined"
-    assert offer(state, delta("l5", 0, 0, c_steps=2), unit(2.2), "l5") == ACCEPTED
-    result = state.close()
-    assert "bad" not in result.learners and "bad" not in result.refs
-    assert result.included == 6
+    bad = np.linspace(1.0, 2.0, N)
+    bad *= 200.0 / np.linalg.norm(bad)  # 100 per step over 2 steps
+    assert offer(state, delta("bad", 0, 0, c_steps=2), bad, "bad") == ACCEPTED
+    result = state.close(T1)
+    assert result.included == 6 and "bad" in result.learners
+    assert result.clipped == [("bad", 0, 0)] and result.refused == []
+    # Equal weights, lr 1, no momentum: the new global is W0 minus the mean delta,
+    # the bad one scaled to norm 20 (10 per step) with its direction kept.
+    clipped = bad * 20.0 / 200.0
+    expected = W0 - (5 * unit(2.0) + clipped) / 6
+    np.testing.assert_allclose(np64(state.weights), expected, rtol=0, atol=1e-6)
+    # What the window remembers is what was merged: 1 per step, and 10 for bad.
+    assert sorted(state.recent_norms) == pytest.approx([1.0] * 5 + [10.0])
 
 
-def test_quarantine_needs_enough_samples_first() -> None:
-    state = FragmentState(0, f32(W0), params())
-    assert offer(state, delta("a", 0, 0, c_steps=1), unit(1.0)) == ACCEPTED
-    # Fewer than 5 observations: no median to compare with yet.
-    assert offer(state, delta("b", 0, 0, c_steps=1), unit(1000.0)) == ACCEPTED
+def test_outlier_is_refused_with_the_refuse_option() -> None:
+    state = FragmentState(0, f32(W0), params(quarantine_action="refuse"), published_s=T0)
+    for i in range(5):
+        assert offer(state, delta(f"l{i}", 0, 0, c_steps=2), unit(2.0), f"l{i}") == ACCEPTED
+    assert offer(state, delta("bad", 0, 0, c_steps=2), unit(200.0), "bad") == ACCEPTED
+    result = state.close(T1)
+    assert result.included == 5 and "bad" not in result.learners
+    assert result.refused == [("bad", 0, 0)] and result.clipped == []
+    assert "bad" in result.refs  # refused on close, acked with the round
+    assert "bad" not in state.applied  # a refusal is not a key used up
+    assert sorted(state.recent_norms) == pytest.approx([1.0] * 5)
+
+
+def test_a_round_whose_every_delta_is_refused_publishes_nothing() -> None:
+    state = FragmentState(
+        0,
+        f32(W0),
+        params(quorum=1, quarantine_action="refuse", quarantine_window=2),
+        published_s=T0,
+    )
+    for seq in (0, 1):
+        honest_round(state, seq, learners=1)
+        state.close(T1)
+    before = (state.version, state.weights.clone(), list(state.recent_norms))
+    assert offer(state, delta("l0", 2, state.version, c_steps=1), unit(50.0), "big") == ACCEPTED
+    result = state.close(T1)
+    assert not result.published and result.included == 0
+    assert result.refused == [("l0", 0, 2)] and result.refs == ["big"]
+    assert (state.version, list(state.recent_norms)) == (before[0], before[2])
+    assert torch.equal(state.weights, before[1])
+    assert state.pending_learners == []
+
+
+def test_warm_up_bar_comes_from_the_round_itself() -> None:
+    """Before W deltas were merged, the round's own deltas join the sample, so the
+    very first round already has a bar a minority cannot move."""
+    state = FragmentState(0, f32(W0), params(), published_s=T0)
+    for i in range(3):
+        assert offer(state, delta(f"l{i}", 0, 0, c_steps=1), unit(1.0)) == ACCEPTED
+    assert offer(state, delta("bad", 0, 0, c_steps=1), unit(1000.0)) == ACCEPTED
+    assert state.close(T1).clipped == [("bad", 0, 0)]
+    # Alone, a delta is its own reference: nothing to compare with yet.
+    alone = FragmentState(0, f32(W0), params(quorum=1), published_s=T0)
+    assert offer(alone, delta("a", 0, 0, c_steps=1), unit(1000.0)) == ACCEPTED
+    assert alone.close(T1).clipped == []
 
 
 def test_quarantine_measures_norm_per_step() -> None:
-    state = FragmentState(0, f32(W0), params())
-    for i in range(5):
-        assert offer(state, delta(f"l{i}", 0, 0, c_steps=1), unit(1.0)) == ACCEPTED
+    state = FragmentState(0, f32(W0), params(quarantine_window=5), published_s=T0)
+    honest_round(state, 0)
+    state.close(T1)
     # 40x the norm, but over 40 steps: 1.0 per step, an ordinary delta.
-    assert offer(state, delta("slow", 0, 0, c_steps=40), unit(40.0)) == ACCEPTED
+    assert offer(state, delta("slow", 0, 1, c_steps=40), unit(40.0)) == ACCEPTED
     # 40x the norm in 2 steps: 20 per step, more than 10x the median.
-    assert offer(state, delta("fast", 0, 0, c_steps=2), unit(40.0)) == "quarantined"
+    assert offer(state, delta("fast", 0, 1, c_steps=2), unit(40.0)) == ACCEPTED
+    assert state.close(T1).clipped == [("fast", 0, 0)]
+
+
+def test_the_bar_is_the_last_w_merged_deltas_once_there_are_w() -> None:
+    """With W merged deltas of 1 per step, a round of five at 30 (everyone grew at
+    once, a rare jump) is clipped to 10; those clipped deltas enter the window at
+    10, so the bar follows a real change within a window (no deadlock)."""
+    state = FragmentState(0, f32(W0), params(quarantine_window=5), published_s=T0)
+    honest_round(state, 0)
+    state.close(T1)
+    honest_round(state, 1, scale=30.0)
+    assert len(state.close(T1).clipped) == 5
+    assert list(state.recent_norms) == pytest.approx([10.0] * 5)
+    honest_round(state, 2, scale=30.0)
+    assert state.close(T1).clipped == []  # the bar is 100 now
+
+
+def test_a_median_of_zero_sets_no_bar() -> None:
+    state = FragmentState(0, f32(W0), params(quorum=1, quarantine_window=2), published_s=T0)
+    for seq in (0, 1):
+        assert offer(state, delta("a", seq, state.version), np.zeros(N)) == ACCEPTED
+        state.close(T1)
+    assert offer(state, delta("a", 2, state.version), unit(1.0)) == ACCEPTED
+    assert state.close(T1).clipped == []
 
 
 def test_a_single_bad_learner_stays_quarantined() -> None:
     """One bad learner among six supplies too few samples to move the median."""
-    state = FragmentState(0, f32(W0), params(quorum=5))
-    for seq in range(15):  # 90 observations: the 64-sample window turns over
+    refuse = params(quorum=5, quarantine_action="refuse")
+    state = FragmentState(0, f32(W0), refuse, published_s=T0)
+    for seq in range(15):  # 90 offers: the 16-delta window turns over
         version = state.version
         for i in range(5):
             status = offer(state, delta(f"l{i}", seq, version, c_steps=1), unit(1.0))
             assert status == ACCEPTED
-        status = offer(state, delta("bad", seq, version, c_steps=1), unit(100.0))
-        assert status == "quarantined"
-        assert state.close().learners == [f"l{i}" for i in range(5)]
+        assert offer(state, delta("bad", seq, version, c_steps=1), unit(100.0)) == ACCEPTED
+        result = state.close(T1)
+        assert result.learners == [f"l{i}" for i in range(5)]
+        assert result.refused == [("bad", 0, seq)]
     assert "bad" not in state.applied
 
 
-def test_everyone_growing_moves_the_median_so_no_deadlock() -> None:
-    """All learners' norms grow 20x (say, after warmup): after a few refusals the
-    window median follows them, and they are accepted again."""
-    state = FragmentState(0, f32(W0), params(quarantine_factor=10.0))
-    for i in range(5):
-        assert offer(state, delta(f"l{i}", 0, 0, c_steps=1), unit(1.0)) == ACCEPTED
-    state.close()
-    statuses = []
-    for seq in (1, 2):
-        for i in range(5):
-            statuses.append(offer(state, delta(f"l{i}", seq, 1, c_steps=1), unit(20.0)))
-    # Each learner is compared with its peers' recent values (>= 5 needed):
-    # l0 sees only four peer values (accepted); l1 sees [1, 20, 1, 1, 1] and
-    # l2, l3 still have a median of 1.0 (20 > 10: refused); l4 sees four 1s and
-    # four 20s, median 10.5 (accepted); in the second pass at least half of
-    # every learner's peer values are 20.
-    assert statuses == [ACCEPTED] + ["quarantined"] * 3 + [ACCEPTED] * 6
-    result = state.close()
-    assert result.included == 5
-    assert result.keys == [(f"l{i}", 0, 2) for i in range(5)]
+# -- figures a delta reports ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("c_steps", "c_tokens", "incarnation", "step_s", "reason"),
+    [
+        (65, 100, 0, None, "too_many_steps"),  # above the floor, no pace known
+        (64, 100, 0, None, ACCEPTED),  # the floor
+        # 10 s after publication at 1 s per step: 64 + 2 * 10 = 84 steps at most.
+        (84, 100, 0, 1.0, ACCEPTED),
+        (85, 100, 0, 1.0, "too_many_steps"),
+        (4, 4_000, 0, None, ACCEPTED),  # 1000 tokens per step
+        (4, 4_001, 0, None, "too_many_tokens"),
+        (4, 100, int((T0 + 10 + 60) * 1e9), None, ACCEPTED),  # 60 s ahead: the skew
+        (4, 100, int((T0 + 10 + 61) * 1e9), None, "future_incarnation"),
+    ],
+)
+def test_reported_figures_are_bounded(
+    c_steps: int, c_tokens: int, incarnation: int, step_s: float | None, reason: str
+) -> None:
+    state = FragmentState(0, f32(W0), params(), published_s=T0)
+    d = delta("a", 0, 0, c_tokens=c_tokens, c_steps=c_steps, incarnation=incarnation)
+    assert offer(state, d, np.zeros(N), wall_s=T0 + 10, step_s=step_s) == reason
 
 
-def test_a_learner_is_only_compared_with_its_peers() -> None:
-    """Alone, a learner cannot be quarantined: there is nobody to compare it with,
-    and its own history never sets its bar."""
-    state = FragmentState(0, f32(W0), params())
-    for seq in range(20):
-        assert offer(state, delta("a", seq, 0, c_steps=1), unit(1.0)) == ACCEPTED
-    assert offer(state, delta("a", 20, 0, c_steps=1), unit(1000.0)) == ACCEPTED
+def test_the_step_bound_runs_from_each_versions_publication() -> None:
+    """A delta on an older version may cover more steps than one on the newest."""
+    state = FragmentState(0, f32(W0), params(quorum=1), published_s=T0)
+    assert offer(state, delta("a", 0, 0), np.zeros(N)) == ACCEPTED
+    state.close(T0 + 100)  # version 1, published at T0 + 100
+    arrive = T0 + 110
+    # On v0: 64 + 2 * 110 = 284 steps; on v1: 64 + 2 * 10 = 84.
+    assert offer(state, delta("b", 0, 1, c_steps=85), np.zeros(N), wall_s=arrive, step_s=1.0) == (
+        "too_many_steps"
+    )
+    assert offer(state, delta("b", 1, 0, c_steps=284), np.zeros(N), wall_s=arrive, step_s=1.0) == (
+        ACCEPTED
+    )
 
 
 # -- radial aggregation --------------------------------------------------------
 def test_radial_aggregation_matches_numpy() -> None:
-    state = FragmentState(0, f32(W0), params(aggregation="radial"))
+    state = FragmentState(0, f32(W0), params(aggregation="radial"), published_s=T0)
     offer_round1(state)
-    state.close()
+    state.close(T1)
     total = sum(r["w"] for r in ROUND1.values())
     direction = np.zeros(N)
     radius = 0.0
@@ -439,7 +542,7 @@ def test_radial_aggregation_matches_numpy() -> None:
 
 # -- round timing --------------------------------------------------------------
 def test_should_close_follows_quorum_and_round_done_resets() -> None:
-    state = FragmentState(0, f32(W0), params(quorum=2))
+    state = FragmentState(0, f32(W0), params(quorum=2), published_s=T0)
     live = {"a", "b", "c"}
     offer(state, delta("a", 0, 0), np.zeros(N), now=10.0)
     assert not state.should_close(11.0, live, step_s=1.0)
@@ -452,7 +555,7 @@ def test_should_close_follows_quorum_and_round_done_resets() -> None:
     assert not state.should_close(12.5, {"a", "b", "c"}, step_s=1.0)
     assert state.should_close(12.5, {"a", "b"}, step_s=1.0)  # every live one reported
     assert state.should_close(12.0, live, step_s=None)
-    state.close()
+    state.close(T1)
     state.round_done(sync_s=0.1)
     assert state.round.opened_at is None and state.round.reporters == set()
     assert not state.should_close(100.0, live, step_s=1.0)
@@ -460,12 +563,12 @@ def test_should_close_follows_quorum_and_round_done_resets() -> None:
 
 # -- checkpoint state ----------------------------------------------------------
 def two_rounds(codec: str) -> FragmentState:
-    state = FragmentState(0, f32(W0), params(codec=codec))
+    state = FragmentState(0, f32(W0), params(codec=codec), published_s=T0)
     offer_round1(state)
-    state.close()
+    state.close(T1)
     assert offer(state, delta("a", 2, 0, incarnation=1), np.full(N, 0.1)) == ACCEPTED
     assert offer(state, delta("b", 2, 1), np.full(N, -0.2)) == ACCEPTED
-    state.close()
+    state.close(T1)
     return state
 
 
@@ -479,6 +582,8 @@ def assert_same_state(a: FragmentState, b: FragmentState) -> None:
     assert torch.equal(a.momentum, b.momentum)
     assert a.payload == b.payload
     assert a.applied == b.applied
+    assert a.published_at == b.published_at
+    assert list(a.recent_norms) == list(b.recent_norms)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
@@ -486,15 +591,15 @@ def test_state_load_round_trip(codec: str) -> None:
     state = two_rounds(codec)
     tensors, meta = state.state()
     assert meta["version"] == 2
-    fresh = FragmentState(0, torch.zeros(N), params(codec=codec))
-    fresh.load(tensors, meta)
+    fresh = FragmentState(0, torch.zeros(N), params(codec=codec), published_s=T0)
+    fresh.load(tensors, meta, wall_s=T1)
     assert_same_state(state, fresh)
     assert fresh.applied == {"a": (1, 2), "b": (0, 2), "c": (0, 1)}
     # Both continue identically, and the restored one still refuses replays.
     assert offer(fresh, delta("b", 2, 1), np.full(N, -0.2)) == DUPLICATE
     for s in (state, fresh):
         assert offer(s, delta("c", 2, 1), np.linspace(-1, 1, N)) == ACCEPTED
-        s.close()
+        s.close(T1)
     assert_same_state(state, fresh)
 
 
@@ -503,49 +608,49 @@ def test_state_survives_the_checkpoint_files(tmp_path: Path) -> None:
     save_fragment(tmp_path, 0, *state.state())
     loaded = load_fragment(tmp_path, 0)
     assert loaded is not None
-    fresh = FragmentState(0, torch.zeros(N), params(codec="int8"))
-    fresh.load(*loaded)
+    fresh = FragmentState(0, torch.zeros(N), params(codec="int8"), published_s=T0)
+    fresh.load(*loaded, wall_s=T1)
     assert_same_state(state, fresh)
 
 
 def test_load_without_momentum() -> None:
-    state = FragmentState(0, f32(W0), params(), version=3)
-    fresh = FragmentState(0, torch.zeros(N), params())
-    fresh.load(*state.state())
+    state = FragmentState(0, f32(W0), params(), version=3, published_s=T0)
+    fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
+    fresh.load(*state.state(), wall_s=T1)
     assert fresh.version == 3 and fresh.momentum is None
     assert torch.equal(fresh.weights, f32(W0))
 
 
 def test_load_refuses_tensors_of_another_size() -> None:
-    other = FragmentState(0, torch.zeros(N - 2), params())
-    fresh = FragmentState(0, torch.zeros(N), params())
+    other = FragmentState(0, torch.zeros(N - 2), params(), published_s=T0)
+    fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
     with pytest.raises(ValueError, match="plan needs"):
-        fresh.load(*other.state())
+        fresh.load(*other.state(), wall_s=T1)
     assert fresh.version == 0 and torch.equal(fresh.weights, torch.zeros(N))
 
 
 def test_load_refuses_versions_that_do_not_end_at_the_recorded_one() -> None:
     tensors, meta = two_rounds("fp32").state()
-    fresh = FragmentState(0, torch.zeros(N), params())
+    fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
     with pytest.raises(ValueError, match="do not end at"):
-        fresh.load(tensors, {**meta, "version": 5})
+        fresh.load(tensors, {**meta, "version": 5}, wall_s=T1)
     with pytest.raises(ValueError, match="do not end at"):
-        fresh.load({"payload": tensors["payload"]}, meta)
+        fresh.load({"payload": tensors["payload"]}, meta, wall_s=T1)
 
 
 def test_load_refuses_momentum_of_another_size() -> None:
     tensors, meta = two_rounds("fp32").state()
     tensors["momentum"] = torch.zeros(N + 3)
-    fresh = FragmentState(0, torch.zeros(N), params())
+    fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
     with pytest.raises(ValueError):
-        fresh.load(tensors, meta)
+        fresh.load(tensors, meta, wall_s=T1)
 
 
 def test_load_under_another_codec_refuses_or_recanonicalises() -> None:
     tensors, meta = two_rounds("fp32").state()
-    fresh = FragmentState(0, torch.zeros(N), params(codec="int8"))
+    fresh = FragmentState(0, torch.zeros(N), params(codec="int8"), published_s=T0)
     try:
-        fresh.load(tensors, meta)
+        fresh.load(tensors, meta, wall_s=T1)
     except ValueError:
         return  # refusing the mismatch is fine
     assert torch.equal(fresh.codec.decode(fresh.payload, N), fresh.weights)
@@ -554,27 +659,28 @@ def test_load_under_another_codec_refuses_or_recanonicalises() -> None:
 def test_tokens_already_merged_are_not_counted_again() -> None:
     """A learner merged up to step 10 flushes progress covering steps (6, 13]:
     only steps 11-13 are new, at its 10 tokens per step."""
-    state = FragmentState(0, f32(W0), params(quorum=1))
+    state = FragmentState(0, f32(W0), params(quorum=1), published_s=T0)
     d = np.full(N, 0.01)
     assert offer(state, delta("a", 1, 0, c_tokens=40, c_steps=4, step=10), d) == ACCEPTED
-    assert state.close().tokens == 40
+    assert state.close(T1).tokens == 40
     assert offer(state, delta("a", 2, 0, c_tokens=70, c_steps=7, step=13), d) == ACCEPTED
-    assert state.close().tokens == 30
+    assert state.close(T1).tokens == 30
     # Another learner's first delta counts in full.
     assert offer(state, delta("b", 1, 1, c_tokens=50, c_steps=5, step=5), d) == ACCEPTED
-    assert state.close().tokens == 50
+    assert state.close(T1).tokens == 50
 
 
 def test_deltas_on_different_bases_are_both_merged() -> None:
     """A learner's late delta on v0 and its next one on v1 carry different progress
     (it overwrote its weights in between): neither supersedes the other."""
-    state = FragmentState(0, f32(W0), params(quorum=1, outer_lr=1.0, outer_momentum=0.0))
+    plain = params(quorum=1, outer_lr=1.0, outer_momentum=0.0)
+    state = FragmentState(0, f32(W0), plain, published_s=T0)
     d = np.full(N, 0.1)
     assert offer(state, delta("b", 1, 0), d) == ACCEPTED
-    state.close()  # v1, without a's delta
+    state.close(T1)  # v1, without a's delta
     assert offer(state, delta("a", 1, 0), d) == ACCEPTED
     assert offer(state, delta("a", 2, 1), d) == ACCEPTED
-    result = state.close()
+    result = state.close(T1)
     assert result.included == 2 and result.keys == [("a", 0, 1), ("a", 0, 2)]
 
 
@@ -586,7 +692,7 @@ def test_lossy_downlink_keeps_the_outer_optimizer_in_fp32() -> None:
     w0 = rng.normal(0, 0.02, N)
     lr, mu = 0.7, 0.9
     state = FragmentState(
-        0, f32(w0), params(quorum=1, outer_lr=lr, outer_momentum=mu, codec="int8")
+        0, f32(w0), params(quorum=1, outer_lr=lr, outer_momentum=mu, codec="int8"), published_s=T0
     )
     master = np64(f32(w0))
     buf = None
@@ -594,7 +700,7 @@ def test_lossy_downlink_keeps_the_outer_optimizer_in_fp32() -> None:
         base = np64(state.weights)  # the int8-decoded global the learner holds
         d = rng.normal(0, 1e-3, N)
         assert offer(state, delta("a", k, state.version, step=k, c_steps=1), d) == ACCEPTED
-        state.close()
+        state.close(T1)
         g = master - (base - d)
         buf = g if buf is None else mu * buf + g
         master = master - lr * (g + mu * buf)

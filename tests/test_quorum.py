@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from syncer.quorum import Ema, Round, grace_window_s
+from syncer.quorum import Ema, Roster, Round, grace_window_s
 
 NAN = float("nan")
 
@@ -163,3 +163,91 @@ def test_does_not_wait_for_dead_learners_but_waits_for_unstarted_ones() -> None:
     assert not r.should_close(0.2, live={"a", "b"}, step_s=1.0, known=2)
     # A live learner has not reported: wait.
     assert not r.should_close(0.2, live={"a", "c"}, step_s=1.0, known=4)
+
+
+# -- the roster -----------------------------------------------------------------
+TIMEOUT = 5.0
+
+
+def roster_of(*names: str, cap: int = 4, now: float = 0.0) -> Roster:
+    roster = Roster(cap, TIMEOUT, now=now)
+    for name in names:
+        roster.join(name, now)
+    return roster
+
+
+def test_only_members_heartbeats_count() -> None:
+    roster = roster_of("a", "b")
+    assert roster.heard("a", 1.0, step_time_s=0.5)
+    assert not roster.heard("zz", 1.0, step_time_s=0.01)  # not on the roster
+    assert "zz" not in roster and len(roster) == 2
+    assert roster.live(1.0) == {"a", "b"}
+    assert roster.live(5.5) == {"a"}  # b was last heard at 0 (its delta)
+    assert roster.step_times() == {"a": 0.5}
+
+
+def test_step_times_are_capped_at_the_timeout_and_the_median_resists_one_liar() -> None:
+    roster = roster_of("a", "b", "c")
+    for name, step in (("a", 0.2), ("b", 0.3), ("c", 1000.0)):
+        roster.heard(name, 1.0, step_time_s=step)
+    assert roster.step_times()["c"] == TIMEOUT
+    assert roster.median_step_s() == pytest.approx(0.3)
+    roster.heard("a", 1.1, step_time_s=0.0)  # no sample: nothing changes
+    assert roster.step_times()["a"] == pytest.approx(0.2)
+    assert roster_of().median_step_s() is None
+
+
+def test_a_full_roster_admits_a_newcomer_only_in_place_of_a_silent_member() -> None:
+    roster = roster_of("a", "b", cap=2)
+    assert not roster.admits("c", 1.0)
+    with pytest.raises(ValueError, match="roster full"):
+        roster.join("c", 1.0)
+    roster.heard("a", 4.0)
+    # b was silent since 0: at 5.0 it is not yet past the timeout, at 5.1 it is.
+    assert not roster.admits("c", 5.0)
+    assert roster.admits("c", 5.1) and roster.admits("a", 5.1)
+    assert roster.join("c", 5.1) == "b"
+    assert set(roster.members) == {"a", "c"} and roster.live(5.1) == {"a", "c"}
+    assert roster.join("a", 5.2) is None  # already a member
+
+
+def test_restored_members_are_not_live_but_not_evictable_at_once() -> None:
+    roster = Roster(2, TIMEOUT, now=100.0, members={"a", "b"})
+    assert len(roster) == 2 and roster.live(100.0) == set()
+    assert not roster.admits("c", 104.0)  # silent only since the restart
+    assert roster.admits("c", 105.5)
+
+
+def test_bad_roster_cap() -> None:
+    with pytest.raises(ValueError, match="cap"):
+        Roster(0, TIMEOUT, now=0.0)
+
+
+def test_fake_heartbeats_neither_hold_a_round_open_nor_make_a_quorum() -> None:
+    """Attack: heartbeats under made-up ids. Counted as live, they kept a round
+    open (not every live learner had reported) and stretched its grace window
+    (their step times fed xi_step); remembered as known learners after they
+    stopped, they let a round close with fewer than K real learners (fewer are
+    live than K <= known). The roster ignores them."""
+    roster = roster_of("a", "b", "c", cap=4)
+    fakes = [f"fake-{i}" for i in range(10)]
+    for name in fakes:
+        assert not roster.heard(name, 1.0, step_time_s=TIMEOUT)
+    live = roster.live(1.0)
+    assert live == {"a", "b", "c"} and len(roster) == 3 and roster.median_step_s() is None
+    held = Round(quorum=2, gamma=0.5, tau_steps=2)
+    for name in ("a", "b", "c"):
+        held.add(name, 1.0)
+    assert held.should_close(1.0, live, roster.median_step_s(), len(roster))
+
+    # Quorum K = 3, only a and b ever joined; the fakes went quiet long ago.
+    two = roster_of("a", "b", cap=4)
+    for name in fakes:
+        two.heard(name, 0.0)
+    r = Round(quorum=3, gamma=0.5, tau_steps=2)
+    r.add("a", 10.0)
+    r.add("b", 10.0)
+    for now in (10.0, 100.0, 1e6):
+        two.heard("a", now)
+        two.heard("b", now)
+        assert not r.should_close(now, two.live(now), two.median_step_s(), len(two))

@@ -1,17 +1,23 @@
 """The syncer service in-process against real ZeroMQ sockets: rounds, durability,
-de-duplication across a restart, rejections, Prometheus metrics."""
+de-duplication across a restart, rejections, Prometheus metrics, and attacks on
+its roster (driven through ``Syncer.handle`` with the clocks passed in)."""
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from broker.codecs import Codec
 from broker.settings import RunSettings
+from broker.transport import Inbound
 from broker.wire import Delta, GlobalFragment, Heartbeat
 from broker.zmq_transport import ZmqLearnerTransport
 from compose.processes import free_port_pair
@@ -28,13 +34,21 @@ TINY = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)
 
 
 def make_syncer(
-    tmp_path: Path, port: int, quorum: int = 2, grace_gamma: float = 0.0, **overrides: object
+    tmp_path: Path,
+    port: int,
+    quorum: int = 2,
+    grace_gamma: float = 0.0,
+    learners: int = 2,
+    clocks: tuple[Callable[[], float], Callable[[], float]] | None = None,
+    outer: dict[str, Any] | None = None,
+    **overrides: object,
 ) -> Syncer:
-    """A syncer started from an initial model file, as `ddiloco init` writes it."""
+    """A syncer started from an initial model file, as `ddiloco init` writes it;
+    ``clocks``: (monotonic, wall) to pass in instead of the real ones."""
     run = RunSettings(
         run_id="svc",
         url=f"zmq://127.0.0.1:{port}",
-        learners=2,
+        learners=learners,
         quorum=quorum,
         fragments=2,
         sync_every=2,
@@ -45,12 +59,17 @@ def make_syncer(
         write_initial(run, WorkloadConfig(model=TINY))
     settings: dict[str, object] = dict(
         run=run,
-        outer=OuterConfig(grace_gamma=grace_gamma, outer_lr=1.0, outer_momentum=0.0),
+        outer=OuterConfig(
+            grace_gamma=grace_gamma, outer_lr=1.0, outer_momentum=0.0, **(outer or {})
+        ),
         checkpoint_dir=str(tmp_path / "ck"),
         metrics_file=str(tmp_path / "events.jsonl"),
     )
     settings.update(overrides)
-    return Syncer(SyncerConfig(**settings))  # type: ignore[arg-type]
+    cfg = SyncerConfig(**settings)  # type: ignore[arg-type]
+    if clocks is None:
+        return Syncer(cfg)
+    return Syncer(cfg, clock=clocks[0], wall_clock=clocks[1])
 
 
 def snapshot(learner: ZmqLearnerTransport, syncer: Syncer) -> dict[int, GlobalFragment]:
@@ -76,7 +95,7 @@ def delta_for(g: GlobalFragment, learner: str, seq: int, shift: float, **kw: obj
         plan_hash=g.plan_hash,
         base_version=g.version,
         step=10,
-        c_steps=10,
+        c_steps=2,  # H: a learner's first delta covers at most that
         c_tokens=100,
         sent_at=time.time(),
         codec="fp32",
@@ -157,3 +176,119 @@ def test_round_closes_at_once_when_every_live_learner_reported(tmp_path: Path) -
     finally:
         syncer.transport.close()
         a.close()
+
+
+# -- attacks on the roster, with the clocks passed in ----------------------------------
+class Clock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def delta_on(syncer: Syncer, learner: str, seq: int, shift: float, **kw: object) -> Inbound:
+    """A delta of ``learner`` on fragment 0's current version, as received (no ack token)."""
+    state = syncer.states[0]
+    g = GlobalFragment(
+        run_id="svc",
+        fragment=0,
+        plan_hash=syncer.plan.plan_hash,
+        version=state.version,
+        numel=state.numel,
+    )
+    return Inbound(delta_for(g, learner, seq, shift, **kw))
+
+
+def heartbeat(learner: str, step_time_s: float = 0.05) -> Inbound:
+    return Inbound(
+        Heartbeat(run_id="svc", learner_id=learner, incarnation=1, step=1, step_time_s=step_time_s)
+    )
+
+
+def events_of(tmp_path: Path) -> list[dict[str, Any]]:
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.timeout(60)
+def test_fake_heartbeats_neither_hold_a_round_open_nor_make_a_quorum(tmp_path: Path) -> None:
+    """Attack: heartbeats under ten made-up ids, claiming 5 s steps. Before: they
+    were live learners, so a round waited for them (up to a grace window their
+    step times had stretched to 4.5 s); and once they went quiet they still
+    counted as known learners, so a round closed with two of K = 3 reports
+    ("fewer live than K <= known"). Now only the roster counts: the round waits
+    for the third real learner, then closes the moment it reports."""
+    clock, wall = Clock(100.0), Clock(1_700_000_000.0)
+    syncer = make_syncer(
+        tmp_path, free_port_pair(), quorum=3, learners=3, grace_gamma=0.9, clocks=(clock, wall)
+    )
+    fakes = [heartbeat(f"fake-{i}", step_time_s=5.0) for i in range(10)]
+    try:
+        syncer.handle([*fakes, delta_on(syncer, "a", 1, 0.1), delta_on(syncer, "b", 1, 0.1)])
+        assert syncer.rounds == 0 and syncer.states[0].pending_learners == ["a", "b"]
+        clock.t = 107.0  # the fakes have gone quiet; a and b are alive
+        syncer.handle([heartbeat("a"), heartbeat("b")])
+        assert syncer.rounds == 0  # two of K = 3: no quorum
+        clock.t = 108.0  # the fakes are back, and c reports
+        syncer.handle([*fakes, heartbeat("a"), heartbeat("b"), delta_on(syncer, "c", 1, 0.1)])
+        assert syncer.rounds == 1 and syncer.states[0].version == 1  # at once
+        assert syncer.heartbeats_ignored == 20
+        summary = syncer.summary()
+        assert summary["heartbeats_ignored"] == 20 and summary["roster"] == ["a", "b", "c"]
+        assert syncer.live_learners(108.0) == {"a", "b", "c"}
+    finally:
+        syncer.transport.close()
+
+
+@pytest.mark.timeout(60)
+def test_every_refusal_is_counted_by_reason(tmp_path: Path) -> None:
+    """Attacks on a run of two learners, each refused and counted: a made-up id
+    while both learners are alive (roster_full; before, any id was taken in),
+    a learner claiming nanosecond steps in its heartbeats and then a million
+    steps in a delta (too_many_steps; before, no bound), a delta 1000x its
+    peer's (quarantined, with the refuse option), and a replay (a duplicate,
+    acked, counted beside the refusals). A new id is taken in once a member
+    has been silent past the heartbeat timeout."""
+    clock, wall = Clock(1.0), Clock(1_700_000_000.0)
+    syncer = make_syncer(
+        tmp_path, free_port_pair(), clocks=(clock, wall), outer={"quarantine_action": "refuse"}
+    )
+    try:
+        syncer.handle(
+            [heartbeat("a"), delta_on(syncer, "a", 1, 0.1), delta_on(syncer, "b", 1, 0.1)]
+        )
+        assert syncer.rounds == 1 and syncer.heartbeats_ignored == 1  # a joined with its delta
+        clock.t = 2.0
+        syncer.handle([heartbeat("z"), delta_on(syncer, "z", 1, 0.1)])
+        assert syncer.rejected == {"roster_full": 1} and syncer.heartbeats_ignored == 2
+        clock.t = 3.0
+        syncer.handle([heartbeat("a", 1e-9), heartbeat("b", 0.5)])
+        syncer.handle([delta_on(syncer, "a", 2, 0.1, c_steps=10**6, c_tokens=10**6)])
+        syncer.handle([delta_on(syncer, "b", 1, 0.1)])  # replayed: already applied
+        assert syncer.rejected["too_many_steps"] == 1 and syncer.duplicates == 1
+        clock.t = 4.0
+        syncer.handle([delta_on(syncer, "a", 3, 0.1), delta_on(syncer, "b", 2, 100.0)])
+        assert syncer.rounds == 2 and syncer.rejected["quarantined"] == 1
+        assert syncer.states[0].applied["b"] == (1, 1)  # its refused delta used no key
+        clock.t = 20.0  # b silent since 4.0: z may take its place
+        syncer.handle([heartbeat("a"), delta_on(syncer, "z", 2, 0.1)])
+        assert sorted(syncer.roster.members) == ["a", "z"]
+        syncer.shutdown()  # merges z's delta, writes the summary
+    finally:
+        syncer.transport.close()
+    events = events_of(tmp_path)
+    summary = next(e for e in events if e["event"] == "summary")
+    by_reason = {"roster_full": 1, "too_many_steps": 1, "quarantined": 1}
+    assert summary["rejected_by_reason"] == by_reason
+    assert summary["deltas_rejected"] == 3 and summary["duplicates"] == 1
+    assert summary["heartbeats_ignored"] == 2 and summary["roster"] == ["a", "z"]
+    rejects = sorted(e["reason"] for e in events if e["event"] == "reject")
+    assert rejects == sorted(by_reason)
+    assert [e["replaced"] for e in events if e["event"] == "roster_replace"] == ["b"]
+    body = generate_latest(syncer.metrics.registry).decode()
+    assert 'ddiloco_syncer_deltas_rejected_total{reason="quarantined"} 1.0' in body
+    assert "ddiloco_syncer_deltas_duplicate_total 1.0" in body
+    assert "ddiloco_syncer_heartbeats_ignored_total 2.0" in body
