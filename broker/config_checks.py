@@ -6,6 +6,7 @@ to change, so a bad value fails at start, not an hour into a run.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection
 
@@ -31,6 +32,8 @@ def check_choice(name: str, value: str, choices: Collection[str]) -> None:
 def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}={value!r}: must be a number")
+    # inf passes "> 0" but is no rate, period or timeout (and NaN compares false).
+    require(math.isfinite(value), f"{name}={value!r}: must be a finite number")
     ok = value >= 0 if allow_zero else value > 0
     require(ok, f"{name}={value!r}: must be {'>= 0' if allow_zero else '> 0'}")
 

@@ -21,6 +21,8 @@ import signal
 import sys
 from typing import Any
 
+import zmq
+
 from compose.cli_config import add_dataclass_args, dataclass_from_args
 from learner.config import EvaluatorConfig, InitConfig, LearnerConfig
 from syncer.config import SyncerConfig
@@ -111,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         assert isinstance(cfg, SyncerConfig)
         run_syncer(cfg)
         return 0
-    except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as e:
+    except (ValueError, OSError, TimeoutError, RuntimeError, zmq.ZMQError) as e:
+        # What a user can fix (a bad value, a port in use, a path that is a file):
+        # one line that says which, not a traceback.
         print(f"ddiloco {args.command}: {e}", file=sys.stderr)
         return 2
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 import signal
 import subprocess
 import sys
@@ -100,6 +101,8 @@ class LocalRun:
         self.m = cfg.run.learners
         self.mode = cfg.mode
         self.out = Path(cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.mode}")
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"--out {self.out} is a file; give a folder for the run")
         if (self.out / "summary.json").exists():
             raise ValueError(f"--out {self.out} already holds a finished run; pick another folder")
         for sub in ("logs", "learners", "state", "plots"):
@@ -124,7 +127,22 @@ class LocalRun:
             url = f"zmq://127.0.0.1:{self.port}"
         quorum = self.m if self.mode == "diloco" else run.quorum
         initial = str(self.out / "initial-model.safetensors")
-        return dataclasses.replace(run, url=url, quorum=quorum, initial_model=initial)
+        return dataclasses.replace(
+            run, url=url, quorum=quorum, initial_model=initial, run_id=self._run_id()
+        )
+
+    def _run_id(self) -> str:
+        """The given run id, or one of this run's own: two runs on one broker must never
+        mix. It is kept in the run folder, so running the same folder again (after an
+        interruption) goes on with the same id."""
+        if self.cfg.run.run_id != RunSettings.run_id:
+            return self.cfg.run.run_id
+        kept = self.out / "run-id"
+        if kept.exists():
+            return kept.read_text().strip()
+        run_id = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        kept.write_text(run_id + "\n")
+        return run_id
 
     # -- the services' configs -----------------------------------------------------
     def _command(
@@ -197,7 +215,11 @@ class LocalRun:
                 "mode": self.mode,
                 # Codecs as their names: the launcher's events are JSON lines.
                 "config": json.loads(json.dumps(dataclass_values(cfg), default=str))
-                | {"url": self.run_settings.url, "quorum": self.run_settings.effective_quorum},
+                | {
+                    "run_id": self.run_settings.run_id,
+                    "url": self.run_settings.url,
+                    "quorum": self.run_settings.effective_quorum,
+                },
             }
         )
         services: list[Proc] = []
