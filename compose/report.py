@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +158,15 @@ def summarise(
     useful = float(tokens_total) if mode == "ddp" else sum(e["tokens"] for e in rounds) / fragments
     goodput = useful / undisturbed if undisturbed > 0 else 0.0
 
+    # Every refused entry whatever its reason: the syncer's reject events (written
+    # as they happen, so a killed syncer's count survives), plus the frames its
+    # transport refused before they were messages (in each incarnation's totals).
+    syncer_totals = [e for e in events if e["event"] == "summary"]
+    rejected: Counter[str] = Counter(e["reason"] for e in events if e["event"] == "reject")
+    for totals in syncer_totals:
+        for reason, count in totals.get("rejected_by_reason", {}).items():
+            if reason.startswith("transport_"):
+                rejected[reason] += int(count)
     kills = [e for e in events if e["event"] == "process_kill" and e.get("reason") != "shutdown"]
     restarts = [e for e in events if e["event"] == "process_restart"]
     summary: dict[str, Any] = {
@@ -171,7 +180,9 @@ def summarise(
         "final_eval_loss": evals[-1]["loss"] if evals else None,
         "fragments_published": len(rounds),
         "deltas_applied": sum(e["included"] for e in rounds),
-        "deltas_rejected": sum(1 for e in events if e["event"] == "reject"),
+        "deltas_rejected": sum(rejected.values()),
+        "rejected_by_reason": dict(sorted(rejected.items())),
+        "duplicates": sum(int(e.get("duplicates", 0)) for e in syncer_totals),
         "bytes_up": sum(int(e.get("bytes_sent", 0)) for e in last.values()),
         "bytes_down": sum(int(e.get("bytes_received", 0)) for e in last.values()),
         "learner_kills": sum(1 for e in kills if e["process"].startswith("learner")),

@@ -68,6 +68,8 @@ def run_events() -> list[Event]:
          "tokens": 4000, "bytes_sent": 160, "bytes_received": 90},
         {"t": 7.6, "event": "process_kill", "process": "learner-1", "reason": "shutdown"},
         {"t": 7.8, "event": "eval", "loss": 2.25, "source": "evaluator", "final": True},
+        {"t": 7.9, "event": "summary", "source": "syncer", "duplicates": 4,
+         "rejected_by_reason": {"stale": 1, "transport_bad_magic": 3}},
         {"t": 8.0, "event": "run_end"},
     ]
 
@@ -83,7 +85,9 @@ def test_summary_by_hand() -> None:
     assert s["eval_curve"] == [[0, 5.5], [6500, 2.25]]
     assert s["fragments_published"] == 3
     assert s["deltas_applied"] == 2 + 2 + 1
-    assert s["deltas_rejected"] == 2
+    assert s["deltas_rejected"] == 2 + 3  # two reject events, three bad frames
+    assert s["rejected_by_reason"] == {"quarantined": 1, "stale": 1, "transport_bad_magic": 3}
+    assert s["duplicates"] == 4
     # Last cumulative counter of each incarnation, summed:
     # learner-0 inc 0 (step at 3.0) + learner-0 inc 1 (done) + learner-1 (done).
     assert s["bytes_up"] == 200 + 160 + 300
@@ -143,7 +147,7 @@ def test_uptime_is_one_without_a_gap() -> None:
 
 
 def test_summary_without_evals_or_run_end() -> None:
-    events = [e for e in run_events() if e["event"] not in ("eval", "run_end")]
+    events = [e for e in run_events() if e["event"] not in ("eval", "run_end", "summary")]
     s = summarise(events, mode="decoupled", learners=2, steps=40, fragments=2)
     assert s["initial_eval_loss"] is None and s["final_eval_loss"] is None
     assert s["wall_s"] == 7.6  # the last event stands in for run_end
