@@ -284,8 +284,11 @@ class ZmqSyncerTransport(SyncerTransport):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         send_hwm: int = 1000,
         max_batch: int = 1000,
+        snapshot_interval_s: float = 0.25,
     ) -> None:
         _check_options(max_message_bytes=max_message_bytes, max_batch=max_batch, send_hwm=send_hwm)
+        check_positive("snapshot_interval_s", snapshot_interval_s, allow_zero=True)
+        self.snapshot_interval_s = snapshot_interval_s
         self.run_id = run_id
         self.fragments = set(fragments)
         self.max_message_bytes = max_message_bytes
@@ -302,6 +305,9 @@ class ZmqSyncerTransport(SyncerTransport):
         self._pub.setsockopt(zmq.SNDHWM, send_hwm)
         self._pub.bind(pub_endpoint(bind))
         self._latest: dict[int, bytes] = {}  # encoded newest global per fragment
+        # When each (peer, fragment) was last answered: a snapshot is a whole
+        # fragment, so a peer gets each at most once per snapshot_interval_s.
+        self._answered: dict[tuple[bytes, int], float] = {}
 
     def receive(self, timeout_s: float) -> list[Inbound]:
         out: list[Inbound] = []
@@ -343,10 +349,25 @@ class ZmqSyncerTransport(SyncerTransport):
         self.stats.messages_sent += 1
 
     def _answer_snapshot(self, identity: bytes, req: SnapshotRequest) -> None:
-        wanted = req.fragments or sorted(self._latest)
-        for p in wanted:
-            if p in self._latest:
-                self._send_to(identity, self._latest[p])
+        """Each owned fragment asked for, once, and not again to the same peer within
+        ``snapshot_interval_s`` (learners retry with backoff from 0.5 s): a request
+        listing one fragment thousands of times, or a flood of requests, costs one
+        fragment per peer and interval, not memory without bound."""
+        asked = set(req.fragments) if req.fragments else set(self._latest)
+        if len(asked) < len(req.fragments):
+            self.stats.rejected["snapshot_duplicate"] += len(req.fragments) - len(asked)
+        now = time.monotonic()
+        if len(self._answered) > 16 * 1024:  # forget answers older than the interval
+            self._answered = {
+                k: t for k, t in self._answered.items() if now - t < self.snapshot_interval_s
+            }
+        for p in sorted(asked & self._latest.keys()):
+            last = self._answered.get((identity, p))
+            if last is not None and now - last < self.snapshot_interval_s:
+                self.stats.rejected["snapshot_rate_limited"] += 1
+                continue
+            self._answered[(identity, p)] = now
+            self._send_to(identity, self._latest[p])
 
     def ack(self, items: list[Inbound]) -> None:
         seqs: dict[tuple[bytes, str, int], list[int]] = defaultdict(list)

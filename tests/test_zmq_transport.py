@@ -352,3 +352,39 @@ def test_two_syncers_share_fragments_and_one_restarts_with_nothing_lost(tmp_path
     finally:
         even.stop()
         odd.stop()
+
+
+def test_snapshot_requests_cost_one_fragment_per_peer_and_interval() -> None:
+    """The attack: one 4 kB request listing fragment 0 4096 times made the syncer queue
+    4096 copies of the fragment (866 MB); three such clients took it to 2.85 GB."""
+    bind = endpoint()
+    syncer = ZmqSyncerTransport(bind, RUN, [0, 1], snapshot_interval_s=30.0)
+    syncer.publish(global_fragment(0, 3))
+    syncer.publish(global_fragment(1, 3))
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(bind)
+    try:
+        request = wire.SnapshotRequest(run_id=RUN, learner_id="x", fragments=[0] * 4096)
+        for _ in range(3):
+            raw.send(wire.encode(request))
+        raw.send(wire.encode(wire.SnapshotRequest(run_id=RUN, learner_id="x", fragments=[])))
+
+        def all_handled() -> bool:
+            syncer.receive(0.05)
+            r = syncer.stats.rejected
+            return r["snapshot_duplicate"] == 3 * 4095 and r["snapshot_rate_limited"] == 2 + 1
+
+        wait_until(all_handled, 10, what="the requests to be handled")
+        answers: list[GlobalFragment] = []
+        while raw.poll(500):
+            msg = wire.decode(raw.recv())
+            assert isinstance(msg, GlobalFragment)
+            answers.append(msg)
+        # Fragment 0 once (the other requests within the interval got nothing more),
+        # fragment 1 once for the request of all fragments.
+        assert sorted(g.fragment for g in answers) == [0, 1]
+    finally:
+        raw.close(0)
+        ctx.term()
+        syncer.close()
