@@ -257,7 +257,7 @@ def test_optional_text(text: str, expected: str | None) -> None:
     ],
 )
 def test_bools(text: str, value: bool) -> None:
-    assert parse(LearnerConfig, ["--blocking", text]).blocking is value
+    assert parse(LearnerConfig, ["--blocking", text]).sync.blocking is value  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
