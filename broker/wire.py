@@ -24,7 +24,7 @@ import msgpack
 
 from broker.codecs import Codec, CodecError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: globals carry their syncer epoch, deltas their base's
 MAGIC = b"DDL1"
 _PREFIX = struct.Struct("<4sII")
 _CRC = struct.Struct("<I")
@@ -86,6 +86,8 @@ _CHECKS = {
     "fragment": _check_uint,
     "plan_hash": _check_hash,
     "base_version": _check_uint,
+    "base_epoch": _check_uint,
+    "epoch": _check_uint,
     "version": _check_uint,
     "step": _check_uint,
     "c_steps": _check_uint,
@@ -158,6 +160,7 @@ class Delta(_TensorMessage):
     seq: int = 0  # per (learner, incarnation), strictly increasing
     fragment: int = 0
     plan_hash: str = ""
+    base_epoch: int = 0  # the epoch of the global the delta is based on
     base_version: int = 0
     step: int = 0
     c_steps: int = 0
@@ -173,6 +176,10 @@ class GlobalFragment(_TensorMessage):
     run_id: str = ""
     fragment: int = 0
     plan_hash: str = ""
+    # A syncer that starts without its checkpoint starts a new epoch: versions
+    # restart at 0 and compare only within an epoch, so it can never lock
+    # learners out with versions below the ones they hold.
+    epoch: int = 0
     version: int = 0
     sent_at: float = 0.0
 

@@ -61,9 +61,9 @@ class Evaluator:
                 self.fragments.apply(*decoded, self.params)
 
     def _load_snapshot(self, timeout_s: float) -> None:
-        for p, version, flat in join_snapshot(self.transport, self.plan, timeout_s):
-            if self.fragments.is_newer(p, version):
-                self.fragments.apply(p, version, flat, self.params)
+        for p, stamp, flat in join_snapshot(self.transport, self.plan, timeout_s):
+            if self.fragments.is_newer(p, stamp):
+                self.fragments.apply(p, stamp, flat, self.params)
 
     def evaluate(self, final: bool = False) -> float:
         loss = self._evaluate(self.model)

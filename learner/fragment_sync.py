@@ -15,6 +15,8 @@ import torch
 
 from broker.fragments import FragmentPlan
 
+Stamp = tuple[int, int]  # (syncer epoch, version) of a global
+
 
 class FragmentSync:
     def __init__(self, plan: FragmentPlan, overlap: int, flush_before_overwrite: bool) -> None:
@@ -23,6 +25,7 @@ class FragmentSync:
         self.flush_before_overwrite = flush_before_overwrite
         self.base: dict[int, torch.Tensor] = {}  # the global each fragment started from
         self.base_version: dict[int, int] = {}
+        self.base_epoch: dict[int, int] = {}  # the syncer lineage base_version belongs to
         self.c_steps = [0] * plan.num_fragments
         self.c_tokens = [0] * plan.num_fragments
         self.last_sent_step: dict[int, int] = {}
@@ -47,7 +50,14 @@ class FragmentSync:
         """Each fragment's base version (-1: none yet), for progress reports."""
         return [self.base_version.get(p, -1) for p in range(self.plan.num_fragments)]
 
-    def is_newer(self, p: int, version: int) -> bool:
+    def is_newer(self, p: int, stamp: Stamp) -> bool:
+        """Whether a global stamped (epoch, version) moves fragment ``p`` forward. A
+        global of another epoch always does: the syncer started a new lineage
+        (its versions restart at 0), and holding on to the old one would lock
+        this learner out of the run."""
+        epoch, version = stamp
+        if p in self.base_epoch and epoch != self.base_epoch[p]:
+            return True
         return version > self.base_version.get(p, -1)
 
     def must_flush(self, p: int, step: int) -> bool:
@@ -62,7 +72,7 @@ class FragmentSync:
     def apply(
         self,
         p: int,
-        version: int,
+        stamp: Stamp,
         flat: torch.Tensor,
         params: Mapping[str, torch.Tensor],
         mix_alpha: float = 0.0,
@@ -76,6 +86,6 @@ class FragmentSync:
                 else:
                     param.copy_(tensor)
         self.base[p] = flat.clone()
-        self.base_version[p] = version
+        self.base_epoch[p], self.base_version[p] = stamp
         self.c_steps[p] = 0
         self.c_tokens[p] = 0

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from broker.fragments import FragmentPlan
+from learner.fragment_sync import Stamp
 
 
 class TorchrunGroup:
@@ -27,24 +28,24 @@ class TorchrunGroup:
         return self.rank == 0
 
     def share_globals(
-        self, arrived: list[tuple[int, int, torch.Tensor]], plan: FragmentPlan
-    ) -> list[tuple[int, int, torch.Tensor]]:
-        """(fragment, version, weights) that every rank applies this step."""
+        self, arrived: list[tuple[int, Stamp, torch.Tensor]], plan: FragmentPlan
+    ) -> list[tuple[int, Stamp, torch.Tensor]]:
+        """(fragment, (epoch, version), weights) that every rank applies this step."""
         if self.world == 1:
             return arrived
-        header = torch.full((plan.num_fragments,), -1, dtype=torch.int64)
+        header = torch.full((plan.num_fragments, 2), -1, dtype=torch.int64)
         if self.leader:
-            for p, version, _ in arrived:
-                header[p] = version
+            for p, (epoch, version), _ in arrived:
+                header[p, 0], header[p, 1] = epoch, version
         dist.broadcast(header, 0)
         by_fragment = {p: flat for p, _, flat in arrived}
         out = []
         for p in range(plan.num_fragments):
-            if header[p] < 0:
+            if header[p, 1] < 0:
                 continue
             flat = by_fragment[p] if self.leader else torch.empty(plan.fragment_numel(p))
             dist.broadcast(flat, 0)
-            out.append((p, int(header[p]), flat))
+            out.append((p, (int(header[p, 0]), int(header[p, 1])), flat))
         return out
 
     def allreduce_grads(self, model: torch.nn.Module) -> None:

@@ -10,10 +10,13 @@ import torch
 from broker.fragments import FragmentPlan
 from broker.transport import LearnerTransport
 from broker.wire import GlobalFragment, WireError
+from learner.fragment_sync import Stamp
 
 
-def decode_global(g: GlobalFragment, plan: FragmentPlan) -> tuple[int, int, torch.Tensor] | str:
-    """(fragment, version, weights) of a global that fits ``plan``, else why not."""
+def decode_global(
+    g: GlobalFragment, plan: FragmentPlan
+) -> tuple[int, Stamp, torch.Tensor] | str:
+    """(fragment, (epoch, version), weights) of a global that fits ``plan``, else why not."""
     if g.plan_hash != plan.plan_hash:
         return "wrong_plan"
     if g.fragment >= plan.num_fragments or g.numel != plan.fragment_numel(g.fragment):
@@ -24,12 +27,12 @@ def decode_global(g: GlobalFragment, plan: FragmentPlan) -> tuple[int, int, torc
         return e.reason
     if not torch.isfinite(flat).all():
         return "non_finite"
-    return g.fragment, g.version, flat
+    return g.fragment, (g.epoch, g.version), flat
 
 
 def join_snapshot(
     transport: LearnerTransport, plan: FragmentPlan, timeout_s: float
-) -> list[tuple[int, int, torch.Tensor]]:
+) -> list[tuple[int, Stamp, torch.Tensor]]:
     """Every fragment of the current global model, for joining or rejoining."""
     deadline = time.monotonic() + timeout_s
     wanted = list(range(plan.num_fragments))

@@ -60,7 +60,7 @@ from broker.transport import LearnerTransport, TransportStats
 from broker.wire import Delta, GlobalFragment, Heartbeat
 from learner.comm import CommThread, DeltaEncoder, OutgoingDelta
 from learner.config import ProcessConfig, SyncConfig
-from learner.fragment_sync import FragmentSync
+from learner.fragment_sync import FragmentSync, Stamp
 from learner.group import TorchrunGroup
 from learner.join import decode_global, join_snapshot
 from learner.telemetry import LearnerMetrics, ProgressFile
@@ -165,16 +165,16 @@ class DecoupledDiLoCo:
                 incarnation=self.incarnation,
                 num_fragments=self.run.fragments,
             )
-        arrived: list[tuple[int, int, torch.Tensor]] = []
+        arrived: list[tuple[int, Stamp, torch.Tensor]] = []
         if self.transport is not None:
             arrived = join_snapshot(self.transport, self.plan, self.process.join_timeout_s)
-        for p, version, flat in self.group.share_globals(arrived, self.plan):
+        for p, stamp, flat in self.group.share_globals(arrived, self.plan):
             if self.load_global:
-                self._apply(p, version, flat, mix_alpha=0.0)
+                self._apply(p, stamp, flat, mix_alpha=0.0)
             else:
                 # The weights as given stand in for this version: deltas measure
                 # this learner's progress from them.
-                self.fragments.apply(p, version, self.plan.flatten(self.params, p), self.params)
+                self.fragments.apply(p, stamp, self.plan.flatten(self.params, p), self.params)
         self._load_optimizer_state()
         if self.transport is not None:
             encoder = DeltaEncoder(self.run.delta_codec, self.sync_cfg.error_feedback)
@@ -252,11 +252,11 @@ class DecoupledDiLoCo:
             self.save_progress()
 
     # -- globals in, deltas out ------------------------------------------------
-    def _apply(self, p: int, version: int, flat: torch.Tensor, mix_alpha: float) -> None:
-        self.fragments.apply(p, version, flat, self.params, mix_alpha)
-        self.metrics.version.labels(str(p)).set(version)
+    def _apply(self, p: int, stamp: Stamp, flat: torch.Tensor, mix_alpha: float) -> None:
+        self.fragments.apply(p, stamp, flat, self.params, mix_alpha)
+        self.metrics.version.labels(str(p)).set(stamp[1])
 
-    def _decode(self, g: GlobalFragment) -> tuple[int, int, torch.Tensor] | None:
+    def _decode(self, g: GlobalFragment) -> tuple[int, Stamp, torch.Tensor] | None:
         """Validate a global against this learner's plan; None (and counted) if bad."""
         decoded = decode_global(g, self.plan)
         if isinstance(decoded, str):
@@ -268,11 +268,11 @@ class DecoupledDiLoCo:
     def _apply_arrived(self, step: int) -> None:
         arrived = [self._decode(g) for g in self.comm.take_globals()] if self.comm else []
         shared = self.group.share_globals([a for a in arrived if a is not None], self.plan)
-        for p, version, flat in shared:
-            if self.fragments.is_newer(p, version):
+        for p, stamp, flat in shared:
+            if self.fragments.is_newer(p, stamp):
                 if self.fragments.must_flush(p, step):
                     self._send(p, step)
-                self._apply(p, version, flat, self.sync_cfg.mix_alpha)
+                self._apply(p, stamp, flat, self.sync_cfg.mix_alpha)
                 self.metrics.globals_applied.inc()
 
     def _send(self, p: int, step: int) -> None:
@@ -287,6 +287,7 @@ class DecoupledDiLoCo:
             seq=self.seq,
             fragment=p,
             plan_hash=self.plan.plan_hash,
+            base_epoch=self.fragments.base_epoch[p],
             base_version=self.fragments.base_version[p],
             step=step,
             c_steps=self.fragments.c_steps[p],
@@ -365,8 +366,8 @@ def load_global_model(
         num_fragments=run.fragments,
     )
     try:
-        for p, version, flat in join_snapshot(transport, plan, process.join_timeout_s):
-            fragments.apply(p, version, flat, params)
+        for p, stamp, flat in join_snapshot(transport, plan, process.join_timeout_s):
+            fragments.apply(p, stamp, flat, params)
     finally:
         transport.close()
     return fragments.versions()

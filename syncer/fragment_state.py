@@ -137,8 +137,10 @@ class FragmentState:
         version: int = 0,
         *,
         published_s: float,
+        epoch: int = 0,
     ) -> None:
         self.fragment = fragment
+        self.epoch = epoch  # the lineage of these versions (kept in the checkpoint)
         self.params = params
         self.codec = params.codec
         self.numel = weights.numel()
@@ -213,6 +215,8 @@ class FragmentState:
         early = self.precheck(delta, ref)
         if early is not None:
             return early
+        if delta.base_epoch != self.epoch:
+            return "wrong_epoch"  # based on another syncer lineage: the learner resyncs
         if tensor.shape != self.weights.shape:
             return "bad_shape"
         if not torch.isfinite(tensor).all():
@@ -387,6 +391,7 @@ class FragmentState:
             tensors["momentum"] = self.momentum
         meta = {
             "fragment": self.fragment,
+            "epoch": self.epoch,
             "version": self.version,
             "codec": self.codec.name,
             "applied": {k: list(v) for k, v in self.applied.items()},
@@ -423,6 +428,7 @@ class FragmentState:
         self.history = history
         self.master = (history.current if master is None else master).to(torch.float32).clone()
         self.momentum = None if momentum is None else momentum.to(torch.float32)
+        self.epoch = int(meta.get("epoch", self.epoch))
         self.applied = {k: (int(v[0]), int(v[1])) for k, v in meta["applied"].items()}
         self.merged_step = {k: int(v) for k, v in meta.get("merged_step", {}).items()}
         # A version whose publication time is unknown counts as published long

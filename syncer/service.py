@@ -145,8 +145,13 @@ class Syncer:
         self.states: dict[int, FragmentState] = {}
         resumed = []
         started_s = self.wall_clock()
+        # A fragment without a checkpoint starts a new epoch; a resumed one keeps
+        # the epoch of its checkpoint, so learners' versions stay comparable.
+        fresh_epoch = time.time_ns()
         for p in self.owned:
-            state = FragmentState(p, initial.fragment(p), params, published_s=started_s)
+            state = FragmentState(
+                p, initial.fragment(p), params, published_s=started_s, epoch=fresh_epoch
+            )
             saved = load_fragment(self.checkpoint_dir, p)
             if saved is not None:
                 state.load(*saved, wall_s=started_s)
@@ -370,6 +375,7 @@ class Syncer:
                 run_id=self.cfg.run.run_id,
                 fragment=p,
                 plan_hash=self.plan.plan_hash,
+                epoch=state.epoch,
                 version=state.version,
                 codec=state.codec,
                 numel=state.numel,

@@ -93,6 +93,7 @@ def delta_for(g: GlobalFragment, learner: str, seq: int, shift: float, **kw: obj
         seq=seq,
         fragment=g.fragment,
         plan_hash=g.plan_hash,
+        base_epoch=g.epoch,
         base_version=g.version,
         step=10,
         c_steps=2,  # H: a learner's first delta covers at most that
@@ -196,6 +197,7 @@ def delta_on(syncer: Syncer, learner: str, seq: int, shift: float, **kw: object)
         run_id="svc",
         fragment=0,
         plan_hash=syncer.plan.plan_hash,
+        epoch=state.epoch,
         version=state.version,
         numel=state.numel,
     )

@@ -49,7 +49,7 @@ def raw_frame(head: bytes, payload: bytes = b"") -> bytes:
 
 
 def header_of(msg: Message) -> tuple[dict[str, Any], bytes]:
-    h: dict[str, Any] = {"v": 1, "k": msg.KIND}
+    h: dict[str, Any] = {"v": wire.SCHEMA_VERSION, "k": msg.KIND}
     payload = b""
     for f in dataclasses.fields(msg):
         if f.name == "payload":
@@ -185,7 +185,7 @@ def test_numel_that_decodes_past_the_limit() -> None:
 # -- header errors -------------------------------------------------------------
 def test_schema_and_kind_errors() -> None:
     h, p = header_of(delta())
-    for v in (0, 2, -1, "1", None, True, 1.0, [1]):
+    for v in (0, 1, 3, -1, "2", None, True, 2.0, [2]):  # 1: before epochs
         assert reason(frame({**h, "v": v}, p)) == "bad_schema_version", v
     no_v = {k: x for k, x in h.items() if k != "v"}
     assert reason(frame(no_v, p)) == "bad_schema_version"
@@ -364,7 +364,7 @@ msgpack_values = st.recursive(
 ), st.binary(max_size=40))
 def test_valid_checksum_random_header(header: dict[str, Any], payload: bytes) -> None:
     assert_decodes_or_wire_error(frame(header, payload))
-    assert_decodes_or_wire_error(frame({**header, "v": 1}, payload))
+    assert_decodes_or_wire_error(frame({**header, "v": wire.SCHEMA_VERSION}, payload))
 
 
 @PROPS
