@@ -139,7 +139,8 @@ class ZmqLearnerTransport(LearnerTransport):
             self._dealers.append(dealer)
             self._subs.append(sub)
         self._unacked: dict[int, _Pending] = {}
-        self._versions: dict[int, int] = {}  # newest version seen per fragment
+        # Newest (epoch, version) seen per fragment; versions compare within an epoch.
+        self._versions: dict[int, tuple[int, int]] = {}
         self._ready: dict[int, GlobalFragment] = {}  # newest not yet returned by poll()
 
     def _owner(self, fragment: int) -> int:
@@ -196,15 +197,17 @@ class ZmqLearnerTransport(LearnerTransport):
             self.stats.rejected["wrong_run" if g.run_id != self.run_id else "bad_fragment"] += 1
             return
         known = self._versions.get(g.fragment)
-        if known is not None and g.version <= known:
+        if known is not None and g.epoch == known[0] and g.version <= known[1]:
             return
-        if known is not None and g.version > known + 1:
+        if known is not None and g.epoch == known[0] and g.version > known[1] + 1:
             # Missed at least one version (PUB dropped it, or we were away):
             # this one is complete weights so we take it, and ask for the
             # latest in case the tail was dropped too.
             self.gaps += 1
             self._request_snapshot([g.fragment])
-        self._versions[g.fragment] = g.version
+        # A global of another epoch is a restarted syncer's new lineage: taken as
+        # is, whatever its version (its versions start again at 0).
+        self._versions[g.fragment] = (g.epoch, g.version)
         self._ready[g.fragment] = g
 
     def _handle_ack(self, ack: Ack) -> None:

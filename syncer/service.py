@@ -175,6 +175,7 @@ class Syncer:
         members = {name for s in self.states.values() for name in s.applied}
         self.roster = Roster(cfg.roster_cap, run.heartbeat_timeout_s, self.clock(), members)
         self.events = EventLog(cfg.metrics_file)
+        self._published_at: dict[int, float] = {}  # clock() of each fragment's last publish
         self.stop_requested = threading.Event()
         self.drain_requested = threading.Event()
         for p in self.owned:  # joiners and restarted learners need a snapshot at once
@@ -215,6 +216,7 @@ class Syncer:
 
     def step(self) -> None:
         now = self.clock()
+        self._republish_idle(now)
         step_s = self.roster.median_step_s()
         deadlines = [d for s in self.states.values() if (d := s.close_at(step_s)) is not None]
         timeout = min([0.2] + [max(0.0, d - now) for d in deadlines])
@@ -368,7 +370,22 @@ class Syncer:
             merged_tokens=self.merged_tokens,
         )
 
+    def _republish_idle(self, now: float) -> None:
+        """Publish again a fragment that has not moved for a heartbeat timeout.
+
+        Globals go out by publish/subscribe, which drops what a subscriber that is
+        (re)connecting misses. A syncer that restarts, with its checkpoint or
+        without (a new epoch), publishes once at start; if that is missed and its
+        rounds do not move, learners would never hear of it. Idle fragments only:
+        a moving fragment is published every round anyway.
+        """
+        period = self.cfg.run.heartbeat_timeout_s
+        for p, state in self.states.items():
+            if now - self._published_at.get(p, now) >= period and not state.pending_learners:
+                self._publish(p)
+
     def _publish(self, p: int) -> None:
+        self._published_at[p] = self.clock()
         state = self.states[p]
         self.transport.publish(
             GlobalFragment(

@@ -83,9 +83,9 @@ def held_out_loss(model: nn.Module) -> float:
 
 @contextmanager
 def running_syncer(
-    tmp_path: Path, model: nn.Module, learners: int, quorum: int
+    tmp_path: Path, model: nn.Module, learners: int, quorum: int, url: str | None = None
 ) -> Iterator[tuple[Syncer, str]]:
-    url = f"zmq://127.0.0.1:{free_port_pair()}"
+    url = url or f"zmq://127.0.0.1:{free_port_pair()}"
     initial = tmp_path / "initial.safetensors"
     plan = FragmentPlan.for_model(model, SETTINGS["fragments"], SETTINGS["sync_every"])
     write_initial_model(initial, plan, synced_parameters(model))
@@ -228,7 +228,7 @@ def test_the_inner_optimizer_state_survives_a_global_overwrite() -> None:
     opt.step()
     state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
     flat = torch.zeros(sync.plan.fragment_numel(0))
-    sync.fragments.apply(0, 1, flat, sync.params)
+    sync.fragments.apply(0, (0, 1), flat, sync.params)
     assert all(
         torch.equal(p, torch.zeros_like(p))
         for p in sync.plan.unflatten(sync.plan.flatten(sync.params, 0), 0).values()
@@ -326,3 +326,33 @@ def test_a_restart_resumes_step_tokens_incarnation_and_optimizer_state(tmp_path:
             assert torch.equal(restored[key]["exp_avg_sq"], state["exp_avg_sq"])
     # Without optimizer= nothing of the optimizer is written or read.
     assert not (tmp_path / "learner-1.optimizer.pt").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_syncer_that_lost_its_checkpoint_cannot_lock_learners_out(tmp_path: Path) -> None:
+    """The attack (or accident): a syncer restarted on an empty checkpoint folder starts
+    again at version 0 while learners hold higher versions. Before epochs, learners
+    ignored its globals as old and it refused their deltas: the run learned nothing,
+    silently. Now its globals carry a new epoch, which learners take as newer."""
+    model = make_model()
+    url = f"zmq://127.0.0.1:{free_port_pair()}"
+    sync = DecoupledDiLoCo(model, url, learner_id="l", learners=1, **SETTINGS)
+    with running_syncer(tmp_path / "first", make_model(), 1, 1, url=url) as (first, _):
+        sync.join()
+
+        def moved_on() -> bool:
+            train(sync, model, steps=4, seed=0)
+            return min(sync.fragments.versions()) >= 3
+
+        wait_until(moved_on, 60, what="the learner to hold version 3 or later")
+    with running_syncer(tmp_path / "second", make_model(), 1, 1, url=url) as (second, _):
+        epoch = second.states[0].epoch
+        assert epoch != first.states[0].epoch
+
+        def learning_again() -> bool:
+            train(sync, model, steps=4, seed=2)
+            return second.deltas_applied >= 4
+
+        wait_until(learning_again, 60, what="the new syncer to merge the learner's deltas")
+        assert all(sync.fragments.base_epoch[p] == epoch for p in range(2))
+        sync.close()
