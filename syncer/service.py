@@ -19,6 +19,7 @@ bounded, and every refused delta is counted by its reason.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import signal
 import threading
@@ -27,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client import Counter as PromCounter
@@ -97,6 +98,21 @@ class _Metrics:
             start_http_server(port, registry=r)
 
 
+def _lock_folder(folder: Path) -> IO[bytes]:
+    """An exclusive lock on the checkpoint folder, held while the syncer lives: two
+    syncers writing one folder would each overwrite the other's state."""
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / ".lock", "wb")  # noqa: SIM115 (held open: it is the lock)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ValueError(
+            f"{folder} is in use by another syncer: give each syncer its own --checkpoint-dir"
+        ) from None
+    return handle
+
+
 class Syncer:
     def __init__(
         self,
@@ -119,6 +135,7 @@ class Syncer:
             )
         self.owned = list(cfg.owned_fragments or range(run.fragments))
         self.checkpoint_dir = Path(cfg.checkpoint_dir)
+        self._lock = _lock_folder(self.checkpoint_dir)
         self._check_manifest()
         params = AggregationParams(
             quorum=run.effective_quorum,
@@ -417,6 +434,7 @@ class Syncer:
         self.event("summary", **self.summary())
         self.transport.close()
         self.events.close()
+        self._lock.close()  # releases the checkpoint folder
 
     def summary(self) -> dict[str, Any]:
         """Totals of the run. ``deltas_rejected`` is every refused entry, whatever

@@ -139,6 +139,7 @@ def test_round_checkpoint_publish_ack_and_exactly_once_across_restart(tmp_path: 
         assert 'ddiloco_syncer_rounds_total{fragment="0"} 1.0' in body
         assert 'ddiloco_syncer_deltas_rejected_total{reason="wrong_plan"} 1.0' in body
         syncer.transport.close()
+        syncer._lock.close()  # as when the process dies: its lock goes with it
 
         # Restart from the checkpoint: version 1 is back, and replaying an applied
         # delta (a learner that never saw the ack would resend it) is refused.
@@ -294,3 +295,14 @@ def test_every_refusal_is_counted_by_reason(tmp_path: Path) -> None:
     assert 'ddiloco_syncer_deltas_rejected_total{reason="quarantined"} 1.0' in body
     assert "ddiloco_syncer_deltas_duplicate_total 1.0" in body
     assert "ddiloco_syncer_heartbeats_ignored_total 2.0" in body
+
+
+def test_two_syncers_cannot_share_a_checkpoint_folder(tmp_path: Path) -> None:
+    first = make_syncer(tmp_path, free_port_pair())
+    try:
+        with pytest.raises(ValueError, match="in use by another syncer"):
+            make_syncer(tmp_path, free_port_pair())
+    finally:
+        first.shutdown()
+    second = make_syncer(tmp_path, free_port_pair())  # free again once the first is gone
+    second.shutdown()
