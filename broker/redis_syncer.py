@@ -92,6 +92,7 @@ class RedisSyncerTransport(SyncerTransport):
         self._max_block_s = min(block_ms / 1000, socket_timeout_s / 2)
         self._client = connect(url, socket_timeout_s)
         self._reconnect = Reconnect(f"syncer {consumer}")
+        self._warn_without_aof()
         self._fragment_of = {delta_stream_key(run_id, p): p for p in fragments}
         self._groups_ready = False
         # Own pending entries still to re-read, per stream: the id to read after,
@@ -120,6 +121,25 @@ class RedisSyncerTransport(SyncerTransport):
             if not is_transient(e):
                 raise
             self._failed(e)  # receive() creates them once redis is back
+
+    def _warn_without_aof(self) -> None:
+        """Acknowledged deltas are only as durable as Redis: without an append-only
+        file a Redis restart loses them. Said once, loudly, at start."""
+        try:
+            # redis-py decodes CONFIG GET replies to text whatever decode_responses says.
+            config = {
+                to_str(k): to_str(v)
+                for k, v in cast(dict[Any, Any], self._client.config_get("appendonly")).items()
+            }
+        except Exception as e:  # CONFIG may be renamed or denied by an ACL: no verdict
+            log.debug("syncer %s: cannot read redis's appendonly setting: %s", self.consumer, e)
+            return
+        if config.get("appendonly", "yes") != "yes":
+            log.warning(
+                "syncer %s: redis runs without AOF (appendonly no): a redis restart loses "
+                "acknowledged deltas; run it with --appendonly yes --appendfsync always",
+                self.consumer,
+            )
 
     def _ensure_groups(self) -> None:
         for stream in self._fragment_of:

@@ -8,6 +8,7 @@ commit: "exactly once" means SQLite holds every sent (learner, seq) once.
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 import sqlite3
@@ -675,3 +676,18 @@ def _id(entry_id: bytes | str) -> tuple[int, int]:
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = text.partition("-")
     return int(ms), int(seq)
+
+
+def test_a_syncer_warns_when_redis_runs_without_aof(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    client.config_set("appendonly", "no")
+    with caplog.at_level(logging.WARNING, logger="broker.redis_syncer"):
+        RedisSyncerTransport(redis_server.url, "aof", consumer="s0", fragments=[0]).close()
+    assert any("without AOF" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    client.config_set("appendonly", "yes")
+    with caplog.at_level(logging.WARNING, logger="broker.redis_syncer"):
+        RedisSyncerTransport(redis_server.url, "aof", consumer="s0", fragments=[0]).close()
+    assert not any("without AOF" in r.getMessage() for r in caplog.records)
