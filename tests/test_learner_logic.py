@@ -40,7 +40,7 @@ def test_progress_counts_and_the_delta_is_base_minus_current() -> None:
     sync = FragmentSync(PLAN, overlap=1, flush_before_overwrite=True)
     p = params()
     for frag in range(2):
-        sync.apply(frag, 3, PLAN.flatten(p, frag), p)
+        sync.apply(frag, (0, 3), PLAN.flatten(p, frag), p)
     assert not sync.has_progress(0)
     sync.trained(100)
     sync.trained(50)
@@ -58,9 +58,12 @@ def test_apply_overwrites_resets_counters_and_records_the_version() -> None:
     p = params()
     sync.trained(10)
     new = torch.full((PLAN.fragment_numel(0),), 7.0)
-    assert sync.is_newer(0, 0)
-    sync.apply(0, 5, new, p)
-    assert sync.base_version[0] == 5 and not sync.is_newer(0, 5) and sync.is_newer(0, 6)
+    assert sync.is_newer(0, (0, 0))
+    sync.apply(0, (7, 5), new, p)
+    assert sync.base_version[0] == 5 and sync.base_epoch[0] == 7
+    assert not sync.is_newer(0, (7, 5)) and sync.is_newer(0, (7, 6))
+    # A global of another epoch (a syncer that started over) is newer whatever its version.
+    assert sync.is_newer(0, (8, 0))
     assert sync.c_steps[0] == 0 and sync.c_tokens[0] == 0
     assert sync.c_steps[1] == 1  # the other fragment keeps its progress
     assert torch.equal(PLAN.flatten(p, 0), new)
@@ -73,7 +76,7 @@ def test_mixing_keeps_alpha_of_the_local_weights() -> None:
     p = params()
     local = PLAN.flatten(p, 1)
     glob = torch.full_like(local, 10.0)
-    sync.apply(1, 1, glob, p, mix_alpha=0.25)
+    sync.apply(1, (0, 1), glob, p, mix_alpha=0.25)
     assert torch.allclose(PLAN.flatten(p, 1), 0.25 * local + 0.75 * glob)
     assert torch.equal(sync.base[1], glob)  # the delta is measured against the global
 
@@ -93,7 +96,7 @@ def test_flush_before_overwrite(
 ) -> None:
     sync = FragmentSync(PLAN, overlap=2, flush_before_overwrite=flag)
     p = params()
-    sync.apply(0, 0, PLAN.flatten(p, 0), p)
+    sync.apply(0, (0, 0), PLAN.flatten(p, 0), p)
     for _ in range(trained):
         sync.trained(1)
     if sent_at is not None:
