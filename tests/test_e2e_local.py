@@ -158,7 +158,7 @@ def test_syncer_killed_and_restarted_learners_never_stop_nothing_applied_twice(
     baseline, _ = run_local(tmp_path / "baseline", *args)
     # A wider outage than the default restart delay: learners must visibly train through it.
     summary, events = run_local(
-        tmp_path / "killed", *args, "--kill-syncer-at-s", "12", "--restart-s", "6"
+        tmp_path / "killed", *args, "--kill-syncer-at-s", "12", "--restart-s", "3"
     )
     assert summary["syncer_kills"] == 1
     kill = next(e for e in events if e["event"] == "process_kill" and e["process"] == "syncer")
