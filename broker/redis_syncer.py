@@ -24,6 +24,8 @@ from redis.typing import KeyT, StreamIdT
 from broker.redis_common import (
     FIELD,
     GROUP,
+    NOTICES_MAXLEN,
+    NOTICES_TTL_S,
     Entries,
     Reconnect,
     check_frame,
@@ -34,14 +36,16 @@ from broker.redis_common import (
     is_transient,
     learners_key,
     model_key,
+    notices_key,
     parse_id,
     read_block_ms,
     retry_until,
     sleep_tail,
     to_str,
+    trimmed_key,
 )
 from broker.transport import Inbound, SyncerTransport, TransportStats
-from broker.wire import Delta, GlobalFragment, Heartbeat
+from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,7 @@ class RedisSyncerTransport(SyncerTransport):
         self._trim_waiting: set[str] = set()
         self._next_trim_at: dict[str, float] = {}
         self._unpublished: dict[int, bytes] = {}
+        self._next_trimmed_check_at = 0.0
         try:
             self._ensure_groups()
         except Exception as e:
@@ -182,6 +187,7 @@ class RedisSyncerTransport(SyncerTransport):
         self._publish_queued()
         self._xack([])  # the rejected entries of the last call
         self._trim_due()
+        self._count_trimmed_unread()
         items = self._read_heartbeats()
         items += self._claim_abandoned()
         items += self._read_own_pending()
@@ -358,6 +364,49 @@ class RedisSyncerTransport(SyncerTransport):
         else:
             self._reconnect.succeeded()
 
+    def existing_globals(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
+        frames = self._client.mget([model_key(self.run_id, p) for p in fragments])
+        found = {}
+        for p, frame in zip(fragments, frames, strict=True):
+            msg = check_frame(frame, self.max_message_bytes, self.stats) if frame else None
+            if isinstance(msg, GlobalFragment) and msg.run_id == self.run_id and msg.fragment == p:
+                found[p] = (msg.epoch, msg.version)
+        return found
+
+    def refuse(self, item: Inbound, reason: str) -> None:
+        """XACK the entry and tell its learner on its notices stream. If redis is
+        away the entry stays pending: it is delivered again and refused again."""
+        d = item.message
+        if not isinstance(d, Delta) or item.token is None:
+            return
+        stream, entry_id = cast(tuple[str, str], item.token)
+        self._outstanding.discard((stream, entry_id))
+        refusal = Refusal(
+            run_id=self.run_id,
+            learner_id=d.learner_id,
+            incarnation=d.incarnation,
+            seq=d.seq,
+            fragment=d.fragment,
+            reason=reason,
+        )
+        notices = notices_key(self.run_id, d.learner_id)
+        if self._reconnect.wait_s():
+            return
+        try:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.xadd(notices, {FIELD: encode_bounded(refusal, self.max_message_bytes)},
+                      maxlen=NOTICES_MAXLEN, approximate=False)  # fmt: skip
+            pipe.expire(notices, NOTICES_TTL_S)
+            pipe.xack(stream, self.group, entry_id)
+            pipe.execute()
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            self._failed(e)
+        else:
+            self._reconnect.succeeded()
+            self._trim_waiting.add(stream)
+
     def _xack(self, tokens: list[tuple[str, str]]) -> None:
         """XACK ``tokens`` and the rejected entries waiting for it."""
         rejected = list(self._rejected_unacked)
@@ -403,6 +452,29 @@ class RedisSyncerTransport(SyncerTransport):
         for stream in due:
             self._trim_waiting.discard(stream)
             self._next_trim_at[stream] = now + _TRIM_INTERVAL_S
+
+    def _count_trimmed_unread(self) -> None:
+        """Take (GETDEL) the counts of delta entries the learners' stream bound
+        dropped unread (see ``BOUNDED_XADD``), at most every second: each loss is
+        reported once, also when it happened while no syncer ran."""
+        now = time.monotonic()
+        if now < self._next_trimmed_check_at:
+            return
+        self._next_trimmed_check_at = now + _TRIM_INTERVAL_S
+        pipe = self._client.pipeline(transaction=False)
+        for p in self.fragments:
+            pipe.getdel(trimmed_key(self.run_id, p))
+        for p, raw in zip(self.fragments, pipe.execute(), strict=True):
+            lost = int(raw or 0)
+            if lost > 0:
+                self.stats.rejected["trimmed_unread"] += lost
+                log.error(
+                    "syncer %s: %d deltas of fragment %d were dropped unread at the delta "
+                    "stream's bound (no syncer kept up); raise delta_stream_maxlen",
+                    self.consumer,
+                    lost,
+                    p,
+                )
 
     def _trim_bound(self, groups: list[dict[str, Any]], pending: dict[str, Any]) -> str | None:
         bounds: list[tuple[int, int]] = []

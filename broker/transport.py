@@ -15,7 +15,13 @@ Delivery contract
   exactly-once application.
 * Globals reach learners in version order per fragment; a learner that missed
   one (dropped, trimmed, joined late) sees a gap and fetches the latest
-  snapshot of that fragment instead.
+  snapshot of that fragment instead. Versions compare within a syncer epoch
+  only. A transport hands globals over as candidates and records a version
+  only once the learner has validated the global (:meth:`LearnerTransport.accepted`):
+  a malformed global with a huge version cannot make it drop the real ones.
+* A delta the syncer refuses is answered with a :class:`~broker.wire.Refusal`,
+  never a silent acknowledgement: the learner stops resending it, counts it by
+  reason, and fetches the fragment's latest global.
 * Heartbeats are best effort and tiny.
 * Every inbound frame is size-bounded and validated; a bad one is dropped and
   counted in ``rejected`` by reason, never raised into the service.
@@ -51,6 +57,7 @@ class TransportStats:
     messages_received: int = 0
     resent: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)  # our deltas the syncer refused
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,12 @@ class Inbound:
 
     message: Delta | Heartbeat
     token: Any = None  # backend-specific; None for messages that need no ack
+
+
+def candidate_order(g: GlobalFragment) -> tuple[int, int, int]:
+    """The order a learner takes candidate globals in: per fragment, oldest first
+    (an epoch is its syncer's start time, so a later epoch is a newer lineage)."""
+    return (g.fragment, g.epoch, g.version)
 
 
 class LearnerTransport(abc.ABC):
@@ -77,13 +90,21 @@ class LearnerTransport(abc.ABC):
 
     @abc.abstractmethod
     def poll(self, timeout_s: float) -> list[GlobalFragment]:
-        """Wait up to ``timeout_s`` for globals; also services acks, resends and
-        reconnects. Returns new globals in version order per fragment."""
+        """Wait up to ``timeout_s`` for globals; also services acks, refusals,
+        resends and reconnects. Returns candidate globals newer than the accepted
+        ones, in version order per fragment."""
 
     @abc.abstractmethod
     def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
-        """The latest global of each fragment that exists, for joining or rejoining.
-        Fragments nobody has published yet are missing from the result."""
+        """The latest global of each fragment that exists, for joining or rejoining,
+        whatever version was accepted before. Fragments nobody has published yet
+        are missing from the result."""
+
+    @abc.abstractmethod
+    def accepted(self, fragment: GlobalFragment) -> None:
+        """The learner validated ``fragment``: later globals of its fragment are
+        compared with it (older ones of its epoch are dropped, a skipped version
+        is a gap)."""
 
     @property
     @abc.abstractmethod
@@ -115,6 +136,16 @@ class SyncerTransport(abc.ABC):
     def ack(self, items: list[Inbound]) -> None:
         """Acknowledge deltas whose update is durable (or that were rejected or
         de-duplicated): they will not be delivered again."""
+
+    @abc.abstractmethod
+    def existing_globals(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
+        """(epoch, version) of the latest global of each of ``fragments`` that a
+        syncer of this run published before, where the broker keeps globals
+        (Redis does; ZeroMQ keeps none and answers {})."""
+
+    @abc.abstractmethod
+    def refuse(self, item: Inbound, reason: str) -> None:
+        """Tell the sender its delta was refused, and never deliver it again."""
 
     @abc.abstractmethod
     def publish(self, fragment: GlobalFragment) -> None:

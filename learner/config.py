@@ -67,9 +67,11 @@ class SyncConfig:
     finish_timeout_s: float = 10.0  # at the end, wait this long for the last deltas' acks
     sync_pause_every: int = 0  # measurement aid: sync pauses in the 2nd half of every 2N steps
     blocking: bool = False  # synchronous DiLoCo: wait for each fragment's new global
+    max_queued_models: float = 2.0  # deltas waiting to be sent, in copies of the model; more drop
 
     def __post_init__(self) -> None:
         require(0 <= self.mix_alpha < 1, f"mix_alpha={self.mix_alpha}: use [0, 1)")
+        check_positive("max_queued_models", self.max_queued_models)
         check_positive("finish_timeout_s", self.finish_timeout_s, allow_zero=True)
         check_int("sync_pause_every", self.sync_pause_every, minimum=0)
 

@@ -145,6 +145,7 @@ class Learner:
             "ranks": self.group.world,
             "ranks_consistent": self.group.consistent(self.model),
             "globals_rejected": dict(sync.globals_rejected),
+            "deltas_refused": dict(sync.stats.refused),  # by the syncer, by reason
             "steps_per_s_sync_on": sync.steps_per_s(True),
             "steps_per_s_sync_off": sync.steps_per_s(False),
         }

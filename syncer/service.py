@@ -160,7 +160,7 @@ class Syncer:
             trim_per_side=outer.trim_per_side,
         )
         self.states: dict[int, FragmentState] = {}
-        resumed = []
+        resumed, fresh = [], []
         started_s = self.wall_clock()
         # A fragment without a checkpoint starts a new epoch; a resumed one keeps
         # the epoch of its checkpoint, so learners' versions stay comparable.
@@ -173,12 +173,22 @@ class Syncer:
             if saved is not None:
                 state.load(*saved, wall_s=started_s)
                 resumed.append(f"{p}@v{state.version}")
+            else:
+                fresh.append(p)
             self.states[p] = state
         if resumed:
             log.info("resumed fragments from %s: %s", self.checkpoint_dir, ", ".join(resumed))
         self.transport = transport or connect_syncer(
-            run.url, run_id=run.run_id, syncer_id=cfg.syncer_id, fragments=self.owned
+            run.url,
+            run_id=run.run_id,
+            syncer_id=cfg.syncer_id,
+            fragments=self.owned,
+            max_message_bytes=self.plan.max_message_bytes,
         )
+        if fresh and not cfg.new_epoch:
+            self._refuse_to_forget(fresh)
+        for p in fresh:  # the new epoch is durable before anyone hears of it
+            save_fragment(self.checkpoint_dir, p, *self.states[p].state())
         self.metrics = _Metrics(cfg.metrics_port)
         self.rejected: Counter[str] = Counter()
         self.deltas_applied = 0
@@ -242,6 +252,22 @@ class Syncer:
             self.drain_requested.clear()
             self.drain()
 
+    def _refuse_to_forget(self, fresh: list[int]) -> None:
+        """A syncer without a checkpoint for fragments whose globals the broker
+        holds has lost the run's state: starting over would throw the run's
+        progress away. Only on request (``new_epoch``)."""
+        existing = self.transport.existing_globals(fresh)
+        if existing:
+            self.transport.close()
+            self._lock.close()
+            found = ", ".join(f"{p}@v{v}" for p, (_, v) in sorted(existing.items()))
+            raise RuntimeError(
+                f"run {self.cfg.run.run_id!r} already has globals ({found}) but "
+                f"{self.checkpoint_dir} has no checkpoint of them: point --checkpoint-dir "
+                "at the run's checkpoint, or pass --new-epoch to start over from the "
+                "initial model"
+            )
+
     def handle(self, items: list[Inbound]) -> None:
         """Take in what :meth:`step` received, ack what is done with, close ready rounds."""
         now, wall_s = self.clock(), self.wall_clock()
@@ -303,8 +329,8 @@ class Syncer:
         state = self.states.get(d.fragment)
         refusal = self._refusal_by_metadata(d, state, now)
         if refusal is not None or state is None:
-            self._reject(refusal or "not_owned", d.learner_id, d.fragment, d.seq)
-            return True
+            self._refuse(item, refusal or "not_owned")
+            return False
         # What the round keeps until it closes: the ack token, not the payload.
         ref = Inbound(replace(d, payload=b""), item.token)
         status = state.precheck(d, ref)
@@ -312,8 +338,8 @@ class Syncer:
             try:
                 tensor = d.tensor()
             except WireError as e:
-                self._reject(e.reason, d.learner_id, d.fragment, d.seq)
-                return True
+                self._refuse(item, e.reason)
+                return False
             step_s = self._credited_step_s(d.learner_id)
             status = state.offer(d, tensor, ref, now, wall_s=wall_s, step_s=step_s)
         if status in (ACCEPTED, HELD):
@@ -326,8 +352,28 @@ class Syncer:
             self.duplicates += 1
             self.metrics.duplicates.inc()
             return True
-        self._reject(status, d.learner_id, d.fragment, d.seq)
-        return True
+        self._refuse(item, status)
+        return False
+
+    def _refuse(self, item: Inbound, reason: str) -> None:
+        """Count and log a refused delta, and answer its learner "refused, resync"
+        (never a silent acknowledgement)."""
+        d = item.message
+        assert isinstance(d, Delta)
+        self._reject(reason, d.learner_id, d.fragment, d.seq)
+        self.transport.refuse(item, reason)
+
+    def _answer_round(self, refs: list[Inbound], refused: list[tuple[str, int, int]]) -> None:
+        """Acknowledge a closed round's deltas, except those its quarantine refused."""
+        keys = set(refused)
+        to_ack = []
+        for ref in refs:
+            d = ref.message
+            if isinstance(d, Delta) and (d.learner_id, d.incarnation, d.seq) in keys:
+                self.transport.refuse(ref, QUARANTINED)
+            else:
+                to_ack.append(ref)
+        self.transport.ack(to_ack)
 
     def close_round(self, p: int) -> None:
         state = self.states[p]
@@ -341,20 +387,19 @@ class Syncer:
         except RoundOverflow as e:
             log.error("%s: refusing its %d deltas", e, len(e.refs))
             for ref in e.refs:
-                self._reject("overflow", ref.message.learner_id, p, ref.message.seq)
-            self.transport.ack(e.refs)
+                self._refuse(ref, "overflow")
             state.round_done(0.0)
             return
         for learner, _, seq in result.refused:
             self._reject(QUARANTINED, learner, p, seq)
         if not result.published:  # quarantine refused every delta: nothing changed
-            self.transport.ack(result.refs)
+            self._answer_round(result.refs, result.refused)
             state.round_done(0.0)
             return
         tensors, meta = state.state()
         save_fragment(self.checkpoint_dir, p, tensors, meta)  # durable before anything leaves
         self._publish(p)
-        self.transport.ack(result.refs)
+        self._answer_round(result.refs, result.refused)
         sync_s = self.clock() - started
         state.round_done(sync_s)
         self.rounds += 1

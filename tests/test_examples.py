@@ -72,4 +72,8 @@ def test_ddiloco_local_trains_a_user_workload(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_eval_loss"] < 0.25 * summary["initial_eval_loss"], summary
-    assert summary["deltas_applied"] >= 10 and summary["deltas_rejected"] == 0
+    assert summary["deltas_applied"] >= 10
+    # Only staleness may refuse a delta in a healthy run (a learner slowed by a
+    # loaded machine), and rarely.
+    assert set(summary["rejected_by_reason"]) <= {"stale"}
+    assert summary["deltas_rejected"] <= 0.1 * summary["deltas_applied"]
