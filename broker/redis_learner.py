@@ -122,6 +122,7 @@ class RedisLearnerTransport(LearnerTransport):
         self.trimmed_unread = 0  # deltas of ours (or others') the stream bound dropped unread
         # Accepted (epoch, version) per fragment; missing: no base yet.
         self._versions: dict[int, tuple[int, int]] = {}
+        self._refused_fragments: set[int] = set()
 
     # -- deltas and heartbeats ----------------------------------------------
     def send_delta(self, delta: Delta) -> None:
@@ -277,8 +278,19 @@ class RedisLearnerTransport(LearnerTransport):
                 msg.reason,
             )
             if msg.fragment < self.num_fragments and msg.fragment not in resync:
+                self._refused(msg.fragment)
                 resync.append(msg.fragment)
         return resync
+
+    def _refused(self, fragment: int) -> None:
+        """A delta of ``fragment`` was refused: forget its version, so that the
+        syncer's latest global is taken whatever it is."""
+        self._refused_fragments.add(fragment)
+        self._versions.pop(fragment, None)
+
+    def refused_fragments(self) -> set[int]:
+        refused, self._refused_fragments = self._refused_fragments, set()
+        return refused
 
     def _accept_globals(self, entries: Entries, fetch: list[int]) -> list[GlobalFragment]:
         """The next versions among ``entries``; snapshots for gaps and for the

@@ -101,6 +101,13 @@ class LearnerTransport(abc.ABC):
         are missing from the result."""
 
     @abc.abstractmethod
+    def refused_fragments(self) -> set[int]:
+        """Fragments whose deltas the syncer refused since the last call. The
+        transport has forgotten their versions and asked for their latest global:
+        the learner takes it whatever its version (its own base may be one the
+        syncer never published)."""
+
+    @abc.abstractmethod
     def accepted(self, fragment: GlobalFragment) -> None:
         """The learner validated ``fragment``: later globals of its fragment are
         compared with it (older ones of its epoch are dropped, a skipped version

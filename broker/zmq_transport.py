@@ -157,6 +157,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self._ready: dict[int, list[GlobalFragment]] = {}
         # Fragments to resync: (when to ask again, the retry interval after that).
         self._awaiting: dict[int, tuple[float, float]] = {}
+        self._refused_fragments: set[int] = set()
 
     def _owner(self, fragment: int) -> int:
         return fragment % len(self._dealers)
@@ -259,7 +260,18 @@ class ZmqLearnerTransport(LearnerTransport):
             return  # already handled (a refusal of a resent delta)
         self.stats.refused[refusal.reason] += 1
         if refusal.fragment < self.num_fragments:
+            self._refused(refusal.fragment)
             self._resync(refusal.fragment)
+
+    def _refused(self, fragment: int) -> None:
+        """A delta of ``fragment`` was refused: forget its version, so that the
+        syncer's latest global is taken whatever it is."""
+        self._refused_fragments.add(fragment)
+        self._versions.pop(fragment, None)
+
+    def refused_fragments(self) -> set[int]:
+        refused, self._refused_fragments = self._refused_fragments, set()
+        return refused
 
     def _handle_ack(self, ack: Ack) -> None:
         if ack.learner_id != self.learner_id or ack.incarnation != self.incarnation:

@@ -86,6 +86,10 @@ class CommThread(threading.Thread):
         self._heartbeat: Heartbeat | None = None
         self._lock = threading.Lock()
         self._arrived: dict[int, Decoded] = {}
+        # Fragments whose next global is taken whatever its version (the syncer
+        # refused a delta of theirs), and those of them that arrived.
+        self._force_next: set[int] = set()
+        self._forced: set[int] = set()
         self._stopping = threading.Event()
         self.dropped = 0
         self.globals_rejected: Counter[str] = Counter()
@@ -112,11 +116,14 @@ class CommThread(threading.Thread):
         with self._lock:
             self._heartbeat = hb
 
-    def take_globals(self) -> list[Decoded]:
+    def take_globals(self) -> tuple[list[Decoded], set[int]]:
+        """The globals that arrived (the newest valid one per fragment), and the
+        fragments among them to apply whatever their version."""
         with self._lock:
             arrived = sorted(self._arrived.values(), key=lambda g: g[0])
+            forced, self._forced = self._forced, set()
             self._arrived.clear()
-        return arrived
+        return arrived, forced
 
     @property
     def pending(self) -> int:
@@ -163,7 +170,9 @@ class CommThread(threading.Thread):
             hb, self._heartbeat = self._heartbeat, None
         if hb is not None:
             self.transport.send_heartbeat(hb)
-        for g in self.transport.poll(0.01):
+        arrived = self.transport.poll(0.01)
+        self._force_next |= self.transport.refused_fragments()
+        for g in arrived:
             decoded = self.check(g)
             if isinstance(decoded, str):
                 self.globals_rejected[decoded] += 1
@@ -172,6 +181,9 @@ class CommThread(threading.Thread):
             self.transport.accepted(g)
             with self._lock:
                 self._arrived[g.fragment] = decoded
+                if g.fragment in self._force_next:
+                    self._force_next.discard(g.fragment)
+                    self._forced.add(g.fragment)
 
 
 def _raw_bytes(delta: torch.Tensor) -> int:

@@ -67,7 +67,7 @@ class SyncConfig:
     finish_timeout_s: float = 10.0  # at the end, wait this long for the last deltas' acks
     sync_pause_every: int = 0  # measurement aid: sync pauses in the 2nd half of every 2N steps
     blocking: bool = False  # synchronous DiLoCo: wait for each fragment's new global
-    max_queued_models: float = 2.0  # deltas waiting to be sent, in copies of the model; more drop
+    max_queued_models: float = 2.0  # deltas waiting to be sent (copies of the model, >= 64 MiB)
 
     def __post_init__(self) -> None:
         require(0 <= self.mix_alpha < 1, f"mix_alpha={self.mix_alpha}: use [0, 1)")

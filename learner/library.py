@@ -58,7 +58,7 @@ from broker.initial_model import write_initial_model
 from broker.settings import NO_BROKER, RunSettings
 from broker.transport import LearnerTransport, TransportStats
 from broker.wire import Delta, Heartbeat
-from learner.comm import CommThread, DeltaEncoder, OutgoingDelta
+from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
 from learner.config import ProcessConfig, SyncConfig
 from learner.fragment_sync import FragmentSync, Stamp
 from learner.group import TorchrunGroup
@@ -66,6 +66,9 @@ from learner.join import decode_global, join_snapshot
 from learner.telemetry import LearnerMetrics, ProgressFile
 
 log = logging.getLogger(__name__)
+
+# Queued deltas of a small model cost little: keep at least this many bytes of them.
+MIN_QUEUED_BYTES = 64 * 2**20
 _SETTING_GROUPS = (RunSettings, SyncConfig, ProcessConfig)
 
 
@@ -182,7 +185,10 @@ class DecoupledDiLoCo:
                 self.transport,
                 encoder,
                 check=lambda g: decode_global(g, self.plan),
-                max_queued_bytes=int(self.sync_cfg.max_queued_models * 4 * self.plan.total_numel),
+                max_queued_bytes=max(
+                    MIN_QUEUED_BYTES,
+                    int(self.sync_cfg.max_queued_models * 4 * self.plan.total_numel),
+                ),
             )
             self.comm.start()
         self.save_progress()
@@ -266,14 +272,21 @@ class DecoupledDiLoCo:
         """Globals refused by reason (malformed, of another plan)."""
         return self.comm.globals_rejected if self.comm is not None else Counter()
 
+    def _take_new_globals(self) -> list[Decoded]:
+        """The arrived globals this learner applies: newer than its base, or of a
+        fragment the syncer refused a delta of (its base may be a version the
+        syncer never published: it takes the syncer's global whatever its version).
+        Decided on rank 0 and shared, so every rank applies the same."""
+        arrived, forced = self.comm.take_globals() if self.comm else ([], set())
+        new = [a for a in arrived if a[0] in forced or self.fragments.is_newer(a[0], a[1])]
+        return self.group.share_globals(new, self.plan)
+
     def _apply_arrived(self, step: int) -> None:
-        arrived = self.comm.take_globals() if self.comm else []
-        for p, stamp, flat in self.group.share_globals(arrived, self.plan):
-            if self.fragments.is_newer(p, stamp):
-                if self.fragments.must_flush(p, step):
-                    self._send(p, step)
-                self._apply(p, stamp, flat, self.sync_cfg.mix_alpha)
-                self.metrics.globals_applied.inc()
+        for p, stamp, flat in self._take_new_globals():
+            if self.fragments.must_flush(p, step):
+                self._send(p, step)
+            self._apply(p, stamp, flat, self.sync_cfg.mix_alpha)
+            self.metrics.globals_applied.inc()
 
     def _send(self, p: int, step: int) -> None:
         if not self.fragments.has_progress(p) or not self.group.leader or self.comm is None:
@@ -302,9 +315,8 @@ class DecoupledDiLoCo:
         assert self.comm is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for p_new, stamp, flat in self.comm.take_globals():
-                if self.fragments.is_newer(p_new, stamp):
-                    self._apply(p_new, stamp, flat, mix_alpha=self.sync_cfg.mix_alpha)
+            for p_new, stamp, flat in self._take_new_globals():
+                self._apply(p_new, stamp, flat, mix_alpha=self.sync_cfg.mix_alpha)
             if self.fragments.c_steps[p] == 0:
                 return
             time.sleep(0.002)

@@ -155,6 +155,7 @@ class Roster:
         self.created_at = now
         self.last_heard: dict[str, float] = {}
         self.step_s: dict[str, Ema] = {}
+        self._pace_from: dict[str, tuple[int, float]] = {}  # (step, time) pace is measured from
 
     def __contains__(self, learner: str) -> bool:
         return learner in self.members
@@ -194,23 +195,39 @@ class Roster:
             self.members.discard(evicted)
             self.last_heard.pop(evicted, None)
             self.step_s.pop(evicted, None)
+            self._pace_from.pop(evicted, None)
         self.members.add(learner)
         self.last_heard[learner] = now
         return evicted
 
-    def heard(self, learner: str, now: float, step_time_s: float = 0.0) -> bool:
+    def heard(
+        self, learner: str, now: float, step_time_s: float = 0.0, step: int | None = None
+    ) -> bool:
         """A heartbeat; False (and nothing recorded) if ``learner`` is not on the roster.
 
-        ``step_time_s`` is capped at the heartbeat timeout: one stalled step
+        The learner's step time is the smaller of the one it reports (its last
+        step's) and its pace on this clock since an earlier heartbeat (time per
+        step over the interval): one slow step (a collection, a busy core) then
+        does not make an honest learner look slower than it is, and a restart's
+        pause does not either. Capped at the heartbeat timeout: one stalled step
         (or a lying peer) must not stretch every grace window past the time a
         dead learner takes to be noticed.
         """
         if learner not in self.members:
             return False
         self.last_heard[learner] = now
-        if step_time_s > 0:
+        sample = step_time_s if step_time_s > 0 else None
+        if step is not None:
+            since = self._pace_from.get(learner)
+            if since is None or step <= since[0]:
+                self._pace_from[learner] = (step, now)  # a first heartbeat, or a restart
+            elif now > since[1]:
+                pace = (now - since[1]) / (step - since[0])
+                sample = pace if sample is None else min(sample, pace)
+                self._pace_from[learner] = (step, now)
+        if sample is not None:
             ema = self.step_s.setdefault(learner, Ema(self.ema_alpha))
-            ema.update(min(step_time_s, self.heartbeat_timeout_s))
+            ema.update(min(sample, self.heartbeat_timeout_s))
         return True
 
     def live(self, now: float) -> set[str]:

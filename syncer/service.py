@@ -295,7 +295,7 @@ class Syncer:
         self.metrics.bytes_out.set(self.transport.stats.bytes_sent)
 
     def _on_heartbeat(self, hb: Heartbeat, now: float) -> None:
-        if not self.roster.heard(hb.learner_id, now, hb.step_time_s):
+        if not self.roster.heard(hb.learner_id, now, hb.step_time_s, hb.step):
             # Not on the roster: anyone can send a heartbeat under a made-up id.
             self.heartbeats_ignored += 1
             self.metrics.heartbeats_ignored.inc()

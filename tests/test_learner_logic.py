@@ -169,6 +169,9 @@ class InMemoryTransport(LearnerTransport):
     def accepted(self, fragment: GlobalFragment) -> None:
         self.accepted_versions.append(fragment.version)
 
+    def refused_fragments(self) -> set[int]:
+        return set()
+
     def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
         return {p: self.latest[p] for p in fragments if p in self.latest}
 
@@ -284,7 +287,8 @@ def test_the_comm_thread_accepts_only_globals_that_fit_the_plan() -> None:
     comm._pump()
     assert comm.globals_rejected == {"wrong_plan": 1, "non_finite": 1}
     assert transport.accepted_versions == [4]
-    [(p, stamp, flat)] = comm.take_globals()
+    [(p, stamp, flat)], forced = comm.take_globals()
+    assert forced == set()
     assert (p, stamp) == (1, (0, 4)) and torch.equal(flat, torch.full((numel,), 0.5))
 
 

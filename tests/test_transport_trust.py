@@ -116,7 +116,7 @@ def test_a_malformed_global_with_a_huge_version_locks_no_learner_out(backend: Ba
     def reached(version: int) -> Callable[[], bool]:
         def check() -> bool:
             backend.syncer.receive(0.0)  # answers snapshot requests (ZeroMQ)
-            newest.extend(stamp[1] for _, stamp, _ in comm.take_globals())
+            newest.extend(stamp[1] for _, stamp, _ in comm.take_globals()[0])
             return bool(newest) and newest[-1] == version
 
         return check
