@@ -65,9 +65,9 @@ class SyncerConfig:
     checkpoint_dir: str = "syncer-checkpoint"
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_file: str | None = None  # JSON lines of rounds and rejections
-    # Start over from the initial model (a new epoch; learners resync to it) even
-    # where the broker holds this run's globals but the checkpoint folder does not.
-    new_epoch: bool = False
+    # Without it, a syncer whose checkpoint folder lacks fragments the broker holds
+    # globals of refuses to start: it would throw the run's progress away.
+    new_epoch: bool = False  # start over from the initial model though the broker has globals
 
     def __post_init__(self) -> None:
         check_id("syncer_id", self.syncer_id)
