@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
 import signal
 import threading
 import time
@@ -173,6 +174,12 @@ class Syncer:
             if saved is not None:
                 state.load(*saved, wall_s=started_s)
                 resumed.append(f"{p}@v{state.version}")
+            else:
+                # Version 0 is durable before it is published, like every later
+                # one: a syncer killed before its first round then comes back in
+                # the same epoch, instead of refusing every delta in flight
+                # (wrong_epoch) and so losing what learners saw acknowledged.
+                save_fragment(self.checkpoint_dir, p, *state.state())
             self.states[p] = state
         if resumed:
             log.info("resumed fragments from %s: %s", self.checkpoint_dir, ", ".join(resumed))
@@ -217,6 +224,11 @@ class Syncer:
             },
         )
 
+    def _crash_point(self, point: str) -> None:
+        """Fault tests: die here as a power cut would, with no cleanup at all."""
+        if self.cfg.crash_at == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     # -- events ----------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
         self.events.write(kind, **fields)
@@ -251,6 +263,8 @@ class Syncer:
         for item in items:
             if isinstance(item.message, Heartbeat):
                 self._on_heartbeat(item.message, now)
+        if any(isinstance(item.message, Delta) for item in items):
+            self._crash_point("after_receive")
         to_ack = [
             item
             for item in items
@@ -345,6 +359,7 @@ class Syncer:
             self.transport.ack(e.refs)
             state.round_done(0.0)
             return
+        self._crash_point("after_update")
         for learner, _, seq in result.refused:
             self._reject(QUARANTINED, learner, p, seq)
         if not result.published:  # quarantine refused every delta: nothing changed
@@ -353,7 +368,9 @@ class Syncer:
             return
         tensors, meta = state.state()
         save_fragment(self.checkpoint_dir, p, tensors, meta)  # durable before anything leaves
+        self._crash_point("after_checkpoint")
         self._publish(p)
+        self._crash_point("before_ack")
         self.transport.ack(result.refs)
         sync_s = self.clock() - started
         state.round_done(sync_s)
