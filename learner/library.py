@@ -348,6 +348,12 @@ class DecoupledDiLoCo:
     def dropped(self) -> int:
         return self.comm.dropped if self.comm is not None else 0
 
+    @property
+    def pending(self) -> int:
+        """Deltas handed to the comm thread and not yet acknowledged (bounded: outbox,
+        encoded backlog and the transport's ``max_unacked`` each have a bound)."""
+        return self.comm.pending if self.comm is not None else 0
+
 
 def load_global_model(
     model: torch.nn.Module, url: str = RunSettings.url, **settings: Any

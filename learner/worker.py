@@ -126,6 +126,7 @@ class Learner:
                         bytes_sent=sync.stats.bytes_sent,
                         bytes_received=sync.stats.bytes_received,
                         versions=sync.fragments.versions(),
+                        pending_deltas=sync.pending,
                     )
                     sync.save_progress()
                     window_start, window_steps = time.perf_counter(), 0
