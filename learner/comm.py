@@ -126,6 +126,10 @@ class CommThread(threading.Thread):
         return arrived, forced
 
     @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    @property
     def pending(self) -> int:
         # _encoding covers the moment a delta is neither queued nor handed over.
         return self._outbox.qsize() + self._encoding + len(self._backlog) + self.transport.unacked

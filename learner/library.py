@@ -359,6 +359,14 @@ class DecoupledDiLoCo:
     def dropped(self) -> int:
         return self.comm.dropped if self.comm is not None else 0
 
+    @property
+    def queued(self) -> tuple[int, int]:
+        """(raw bytes of deltas the comm thread holds, deltas the transport holds
+        unacknowledged): the two queues a network outage fills, each bounded."""
+        if self.comm is None:
+            return 0, 0
+        return self.comm.queued_bytes, self.comm.transport.unacked
+
 
 def load_global_model(
     model: torch.nn.Module, url: str = RunSettings.url, **settings: Any

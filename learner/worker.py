@@ -126,6 +126,8 @@ class Learner:
                         bytes_sent=sync.stats.bytes_sent,
                         bytes_received=sync.stats.bytes_received,
                         versions=sync.fragments.versions(),
+                        queued_bytes=sync.queued[0],
+                        unacked=sync.queued[1],
                     )
                     sync.save_progress()
                     window_start, window_steps = time.perf_counter(), 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
 import signal
 import threading
 import time
@@ -187,7 +188,10 @@ class Syncer:
         )
         if fresh and not cfg.new_epoch:
             self._refuse_to_forget(fresh)
-        for p in fresh:  # the new epoch is durable before anyone hears of it
+        # Version 0 is durable before it is published, like every later one: a
+        # syncer killed before its first round comes back in the same epoch
+        # instead of refusing every delta in flight (wrong_epoch).
+        for p in fresh:
             save_fragment(self.checkpoint_dir, p, *self.states[p].state())
         self.metrics = _Metrics(cfg.metrics_port)
         self.rejected: Counter[str] = Counter()
@@ -226,6 +230,11 @@ class Syncer:
                 "initial_model": self.cfg.run.initial_model,
             },
         )
+
+    def _crash_point(self, point: str) -> None:
+        """Fault tests: die here as a power cut would, with no cleanup at all."""
+        if self.cfg.crash_at == point:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     # -- events ----------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -277,6 +286,8 @@ class Syncer:
         for item in items:
             if isinstance(item.message, Heartbeat):
                 self._on_heartbeat(item.message, now)
+        if any(isinstance(item.message, Delta) for item in items):
+            self._crash_point("after_receive")
         to_ack = [
             item
             for item in items
@@ -390,6 +401,7 @@ class Syncer:
                 self._refuse(ref, "overflow")
             state.round_done(0.0)
             return
+        self._crash_point("after_update")
         for learner, _, seq in result.refused:
             self._reject(QUARANTINED, learner, p, seq)
         if not result.published:  # quarantine refused every delta: nothing changed
@@ -398,7 +410,9 @@ class Syncer:
             return
         tensors, meta = state.state()
         save_fragment(self.checkpoint_dir, p, tensors, meta)  # durable before anything leaves
+        self._crash_point("after_checkpoint")
         self._publish(p)
+        self._crash_point("before_ack")
         self._answer_round(result.refs, result.refused)
         sync_s = self.clock() - started
         state.round_done(sync_s)
