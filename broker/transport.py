@@ -58,6 +58,9 @@ class TransportStats:
     resent: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)  # our deltas the syncer refused
+    # Snapshot requests left unanswered because the same peer was answered within
+    # the rate limit: flow control (a learner asks again), not a refused message.
+    rate_limited: int = 0
 
 
 @dataclass(frozen=True)

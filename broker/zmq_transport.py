@@ -435,7 +435,7 @@ class ZmqSyncerTransport(SyncerTransport):
         for p in sorted(asked & self._latest.keys()):
             last = self._answered.get((identity, p))
             if last is not None and now - last < self.snapshot_interval_s:
-                self.stats.rejected["snapshot_rate_limited"] += 1
+                self.stats.rate_limited += 1
                 continue
             self._answered[(identity, p)] = now
             self._send_to(identity, self._latest[p])

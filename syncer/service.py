@@ -508,6 +508,7 @@ class Syncer:
             "deltas_rejected": sum(by_reason.values()),
             "rejected_by_reason": by_reason,
             "duplicates": self.duplicates,
+            "snapshot_requests_rate_limited": stats.rate_limited,
             "deltas_clipped": self.deltas_clipped,
             "weights_clipped": self.weights_clipped,
             "heartbeats_ignored": self.heartbeats_ignored,

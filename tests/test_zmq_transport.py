@@ -373,7 +373,7 @@ def test_snapshot_requests_cost_one_fragment_per_peer_and_interval() -> None:
         def all_handled() -> bool:
             syncer.receive(0.05)
             r = syncer.stats.rejected
-            return r["snapshot_duplicate"] == 3 * 4095 and r["snapshot_rate_limited"] == 2 + 1
+            return r["snapshot_duplicate"] == 3 * 4095 and syncer.stats.rate_limited == 2 + 1
 
         wait_until(all_handled, 10, what="the requests to be handled")
         answers: list[GlobalFragment] = []
