@@ -155,6 +155,7 @@ class Roster:
         self.created_at = now
         self.last_heard: dict[str, float] = {}
         self.step_s: dict[str, Ema] = {}
+        self.pace_s: dict[str, Ema] = {}
         self._pace_from: dict[str, tuple[int, float]] = {}  # (step, time) pace is measured from
 
     def __contains__(self, learner: str) -> bool:
@@ -195,6 +196,7 @@ class Roster:
             self.members.discard(evicted)
             self.last_heard.pop(evicted, None)
             self.step_s.pop(evicted, None)
+            self.pace_s.pop(evicted, None)
             self._pace_from.pop(evicted, None)
         self.members.add(learner)
         self.last_heard[learner] = now
@@ -205,29 +207,33 @@ class Roster:
     ) -> bool:
         """A heartbeat; False (and nothing recorded) if ``learner`` is not on the roster.
 
-        The learner's step time is the smaller of the one it reports (its last
-        step's) and its pace on this clock since an earlier heartbeat (time per
-        step over the interval): one slow step (a collection, a busy core) then
+        Two step times per learner, each an average capped at the heartbeat
+        timeout (one stalled step, or a lying peer, must not stretch every grace
+        window past the time a dead learner takes to be noticed):
+        ``step_times`` from the step times it reports, for the grace window;
+        ``pace_times`` from the smaller of the reported one and its pace on this
+        clock since an earlier heartbeat (time per step over the interval), for
+        bounding its step counts: one slow step (a collection, a busy core) then
         does not make an honest learner look slower than it is, and a restart's
-        pause does not either. Capped at the heartbeat timeout: one stalled step
-        (or a lying peer) must not stretch every grace window past the time a
-        dead learner takes to be noticed.
+        pause does not either.
         """
         if learner not in self.members:
             return False
         self.last_heard[learner] = now
-        sample = step_time_s if step_time_s > 0 else None
+        reported = step_time_s if step_time_s > 0 else None
+        fastest = reported
         if step is not None:
             since = self._pace_from.get(learner)
             if since is None or step <= since[0]:
                 self._pace_from[learner] = (step, now)  # a first heartbeat, or a restart
             elif now > since[1]:
                 pace = (now - since[1]) / (step - since[0])
-                sample = pace if sample is None else min(sample, pace)
+                fastest = pace if fastest is None else min(fastest, pace)
                 self._pace_from[learner] = (step, now)
-        if sample is not None:
-            ema = self.step_s.setdefault(learner, Ema(self.ema_alpha))
-            ema.update(min(sample, self.heartbeat_timeout_s))
+        for averages, sample in ((self.step_s, reported), (self.pace_s, fastest)):
+            if sample is not None:
+                ema = averages.setdefault(learner, Ema(self.ema_alpha))
+                ema.update(min(sample, self.heartbeat_timeout_s))
         return True
 
     def live(self, now: float) -> set[str]:
@@ -236,8 +242,12 @@ class Roster:
         return {name for name, t in self.last_heard.items() if now - t <= timeout}
 
     def step_times(self) -> dict[str, float]:
-        """Each member's measured step time, where one is known."""
+        """Each member's reported step time, where one is known."""
         return {name: e.value for name, e in self.step_s.items() if e.value is not None}
+
+    def pace_times(self) -> dict[str, float]:
+        """Each member's fastest credible step time (see :meth:`heard`), where known."""
+        return {name: e.value for name, e in self.pace_s.items() if e.value is not None}
 
     def median_step_s(self) -> float | None:
         """The roster's typical step time (the grace window's xi_step): the median

@@ -318,7 +318,7 @@ class Syncer:
         self.event("reject", reason=reason, learner=learner, fragment=fragment)
 
     def _credited_step_s(self, learner: str) -> float | None:
-        times = self.roster.step_times()
+        times = self.roster.pace_times()
         return credited_step_s(times.get(learner), list(times.values()))
 
     def _refusal_by_metadata(self, d: Delta, state: FragmentState | None, now: float) -> str | None:
