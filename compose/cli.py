@@ -46,7 +46,10 @@ def _setup_logging(level: str) -> None:
 def _run_learner(cfg: LearnerConfig) -> int:
     from learner.worker import Learner
 
-    result = Learner(cfg).run()
+    learner = Learner(cfg)
+    # SIGTERM (docker stop, a scheduler): finish the step, send what is unsent, exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: learner.stop_requested.set())
+    result = learner.run()
     # One write per line: the ranks of a torchrun group share stdout.
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()

@@ -116,7 +116,7 @@ class LearnerConfig:
     resume_optimizer: bool = False  # keep the inner optimizer's state across restarts
     shard: int = 0  # this learner's slice of the training data ...
     num_shards: int = 1  # ... out of this many
-    slowdown: float = 1.0  # >= 1: each step takes this many times longer (emulated hardware)
+    slowdown: float = 1.0  # >= 1: steps last this x the fastest compute (emulated hardware)
     state_dir: str | None = None  # progress file so a restarted learner resumes its schedule
     metrics_file: str | None = None  # JSON lines of progress
     metrics_port: int = 0  # 0: no Prometheus endpoint

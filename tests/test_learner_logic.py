@@ -23,6 +23,7 @@ from learner.fragment_sync import FragmentSync
 from learner.join import decode_global
 from learner.library import DecoupledDiLoCo
 from learner.model import ModelConfig
+from learner.worker import SlowHardware
 from learner.workload import WorkloadContext, load_workload
 
 torch.set_num_threads(1)
@@ -310,3 +311,14 @@ def test_joining_without_loading_keeps_the_weights_and_measures_progress_from_th
         assert learner.fragments.versions() == [7, 7]  # and are rebased onto the run's version
     finally:
         learner.close()
+
+
+def test_slow_hardware_paces_by_the_fastest_compute_so_a_freeze_is_not_multiplied() -> None:
+    pace = SlowHardware(factor=20)
+    assert pace.rest_s(0.010) == pytest.approx(0.190)  # the step lasts 20 x 10 ms
+    # A process frozen 30 s mid-step: it goes on at once, not after 19 x 30 s.
+    assert pace.rest_s(30.0) == 0.0
+    # A CPU woken from the sleep computes slower: the next sleep does not grow.
+    assert pace.rest_s(0.050) == pytest.approx(0.150)
+    assert pace.rest_s(0.005) == pytest.approx(0.095)  # a faster machine state sets the pace
+    assert SlowHardware(factor=1).rest_s(0.010) == 0.0

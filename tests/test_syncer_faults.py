@@ -341,8 +341,9 @@ def test_syncer_learner_and_redis_each_frozen_30s_the_run_goes_on_and_loses_noth
             *("--model-seq-len", "16", "--model-n-layer", "1"),
             *("--model-n-head", "2", "--model-d-model", "16"),
             *("--batch-size", "4", "--warmup-steps", "1", "--log-every", "1"),
-            # Paced so that both outlive the three pauses (learner-1 sits out one).
-            *("--steps", "1500", "--slowdown", "20"),
+            # Paced, and more steps than the test lasts: both outlive the three
+            # pauses (learner-1 sits out one) and stop when asked (SIGTERM).
+            *("--steps", "100000", "--slowdown", "20"),
             *("--learner-id", f"learner-{i}", "--shard", str(i), "--num-shards", "2"),
             *("--finish-timeout-s", "60", "--metrics-file", str(logs[i])),
         ]
@@ -377,7 +378,9 @@ def test_syncer_learner_and_redis_each_frozen_30s_the_run_goes_on_and_loses_noth
                 assert learners[0].poll() is None, "learner-0 ended before the redis pause did"
                 rss_after = rss_bytes(learners[0].pid)
         for proc in learners:
-            proc.wait(timeout=300)
+            proc.terminate()  # a graceful stop: the learner sends what it has, then exits 0
+        for proc in learners:
+            proc.wait(timeout=120)
         # The learners are done: merge what waits for them, then stop the syncer.
         syncer.proc.send_signal(signal.SIGUSR1)
         client = redis.Redis.from_url(redis_server.url)
@@ -402,7 +405,7 @@ def test_syncer_learner_and_redis_each_frozen_30s_the_run_goes_on_and_loses_noth
         syncer.stop()
 
     done = [e for log in logs for e in jsonl(log) if e["event"] == "done"]
-    assert len(done) == 2 and all(e["delivered"] for e in done), done
+    assert len(done) == 2 and all(e["delivered"] and e["stopped_early"] for e in done), done
     assert all(p.returncode == 0 for p in learners)
     events = syncer.events()
     keys = applied_keys(events)
