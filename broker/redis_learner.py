@@ -47,7 +47,6 @@ from broker.transport import (
     Backpressure,
     LearnerTransport,
     TransportError,
-    TransportStats,
     candidate_order,
 )
 from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
@@ -103,7 +102,7 @@ class RedisLearnerTransport(LearnerTransport):
         self.max_message_bytes = max_message_bytes
         self.max_unacked = max_unacked
         self.delta_stream_maxlen = delta_stream_maxlen
-        self.stats = TransportStats()
+        super().__init__()
         self.connection_errors = 0
         self.heartbeats_dropped = 0
         # A blocking read must end well before the socket timeout.
@@ -120,9 +119,6 @@ class RedisLearnerTransport(LearnerTransport):
         self._notices = notices_key(run_id, learner_id)
         self._notices_position = "0-0"
         self.trimmed_unread = 0  # deltas of ours (or others') the stream bound dropped unread
-        # Accepted (epoch, version) per fragment; missing: no base yet.
-        self._versions: dict[int, tuple[int, int]] = {}
-        self._refused_fragments: set[int] = set()
 
     # -- deltas and heartbeats ----------------------------------------------
     def send_delta(self, delta: Delta) -> None:
@@ -282,16 +278,6 @@ class RedisLearnerTransport(LearnerTransport):
                 resync.append(msg.fragment)
         return resync
 
-    def _refused(self, fragment: int) -> None:
-        """A delta of ``fragment`` was refused: forget its version, so that the
-        syncer's latest global is taken whatever it is."""
-        self._refused_fragments.add(fragment)
-        self._versions.pop(fragment, None)
-
-    def refused_fragments(self) -> set[int]:
-        refused, self._refused_fragments = self._refused_fragments, set()
-        return refused
-
     def _accept_globals(self, entries: Entries, fetch: list[int]) -> list[GlobalFragment]:
         """The next versions among ``entries``; snapshots for gaps and for the
         fragments in ``fetch``. Moves the read position only once nothing can fail
@@ -339,13 +325,6 @@ class RedisLearnerTransport(LearnerTransport):
             return msg
         return None
 
-    def _is_new(self, msg: GlobalFragment) -> bool:
-        known = self._versions.get(msg.fragment)
-        return known is None or msg.epoch != known[0] or msg.version > known[1]
-
-    def accepted(self, fragment: GlobalFragment) -> None:
-        if self._is_new(fragment):
-            self._versions[fragment.fragment] = (fragment.epoch, fragment.version)
 
     def _get_models(self, fragments: list[int], frames: list[Any]) -> dict[int, GlobalFragment]:
         found: dict[int, GlobalFragment] = {}

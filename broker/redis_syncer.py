@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import redis
@@ -350,19 +351,29 @@ class RedisSyncerTransport(SyncerTransport):
         when ``items`` is empty)."""
         tokens = [cast(tuple[str, str], i.token) for i in items if i.token is not None]
         self._outstanding.difference_update(tokens)
-        if self._reconnect.wait_s():
-            # Left pending: our PEL re-read after reconnecting delivers them again,
-            # and the caller's de-duplication acks them then.
-            return
-        try:
+
+        def xack_and_trim() -> None:
             self._xack(tokens)
             self._trim_due()
+
+        # If redis is away they stay pending: our PEL re-read after reconnecting
+        # delivers them again, and the caller's de-duplication acks them then.
+        self._attempt(xack_and_trim)
+
+    def _attempt(self, action: Callable[[], object]) -> bool:
+        """Run ``action`` unless we are backing off from redis; True if it ran.
+        A transient error starts (or extends) the backoff instead of escaping."""
+        if self._reconnect.wait_s():
+            return False
+        try:
+            action()
         except Exception as e:
             if not is_transient(e):
                 raise
             self._failed(e)
-        else:
-            self._reconnect.succeeded()
+            return False
+        self._reconnect.succeeded()
+        return True
 
     def existing_globals(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
         frames = self._client.mget([model_key(self.run_id, p) for p in fragments])
@@ -381,30 +392,14 @@ class RedisSyncerTransport(SyncerTransport):
             return
         stream, entry_id = cast(tuple[str, str], item.token)
         self._outstanding.discard((stream, entry_id))
-        refusal = Refusal(
-            run_id=self.run_id,
-            learner_id=d.learner_id,
-            incarnation=d.incarnation,
-            seq=d.seq,
-            fragment=d.fragment,
-            reason=reason,
-        )
+        refusal = Refusal.of(d, reason)
         notices = notices_key(self.run_id, d.learner_id)
-        if self._reconnect.wait_s():
-            return
-        try:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.xadd(notices, {FIELD: encode_bounded(refusal, self.max_message_bytes)},
-                      maxlen=NOTICES_MAXLEN, approximate=False)  # fmt: skip
-            pipe.expire(notices, NOTICES_TTL_S)
-            pipe.xack(stream, self.group, entry_id)
-            pipe.execute()
-        except Exception as e:
-            if not is_transient(e):
-                raise
-            self._failed(e)
-        else:
-            self._reconnect.succeeded()
+        pipe = self._client.pipeline(transaction=True)
+        pipe.xadd(notices, {FIELD: encode_bounded(refusal, self.max_message_bytes)},
+                  maxlen=NOTICES_MAXLEN, approximate=False)  # fmt: skip
+        pipe.expire(notices, NOTICES_TTL_S)
+        pipe.xack(stream, self.group, entry_id)
+        if self._attempt(pipe.execute):
             self._trim_waiting.add(stream)
 
     def _xack(self, tokens: list[tuple[str, str]]) -> None:
@@ -501,16 +496,7 @@ class RedisSyncerTransport(SyncerTransport):
         if fragment.run_id != self.run_id:
             raise ValueError(f"global of run {fragment.run_id!r} published on run {self.run_id!r}")
         self._unpublished[fragment.fragment] = encode_bounded(fragment, self.max_message_bytes)
-        if self._reconnect.wait_s():
-            return
-        try:
-            self._publish_queued()
-        except Exception as e:
-            if not is_transient(e):
-                raise
-            self._failed(e)
-        else:
-            self._reconnect.succeeded()
+        self._attempt(self._publish_queued)
 
     def _publish_queued(self) -> None:
         if not self._unpublished:

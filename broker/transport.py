@@ -78,9 +78,28 @@ def candidate_order(g: GlobalFragment) -> tuple[int, int, int]:
 
 
 class LearnerTransport(abc.ABC):
-    """Learner side. Used from one thread (the learner's comm thread)."""
+    """Learner side. Used from one thread (the learner's comm thread).
 
-    stats: TransportStats
+    Keeps, for both backends, the (epoch, version) the learner accepted per
+    fragment and the fragments to resync after a refusal."""
+
+    def __init__(self) -> None:
+        self.stats = TransportStats()
+        # Accepted (epoch, version) per fragment; missing: no base yet.
+        self._versions: dict[int, tuple[int, int]] = {}
+        self._refused_fragments: set[int] = set()
+
+    def _is_new(self, g: GlobalFragment) -> bool:
+        """Whether ``g`` is newer than what was accepted: a later version of the
+        same epoch, or any version of another epoch (a restarted syncer's lineage)."""
+        known = self._versions.get(g.fragment)
+        return known is None or g.epoch != known[0] or g.version > known[1]
+
+    def _refused(self, fragment: int) -> None:
+        """A delta of ``fragment`` was refused: forget its version, so that the
+        syncer's latest global is taken whatever it is."""
+        self._refused_fragments.add(fragment)
+        self._versions.pop(fragment, None)
 
     @abc.abstractmethod
     def send_delta(self, delta: Delta) -> None:
@@ -103,18 +122,20 @@ class LearnerTransport(abc.ABC):
         whatever version was accepted before. Fragments nobody has published yet
         are missing from the result."""
 
-    @abc.abstractmethod
     def refused_fragments(self) -> set[int]:
         """Fragments whose deltas the syncer refused since the last call. The
         transport has forgotten their versions and asked for their latest global:
         the learner takes it whatever its version (its own base may be one the
         syncer never published)."""
+        refused, self._refused_fragments = self._refused_fragments, set()
+        return refused
 
-    @abc.abstractmethod
     def accepted(self, fragment: GlobalFragment) -> None:
         """The learner validated ``fragment``: later globals of its fragment are
         compared with it (older ones of its epoch are dropped, a skipped version
         is a gap)."""
+        if self._is_new(fragment):
+            self._versions[fragment.fragment] = (fragment.epoch, fragment.version)
 
     @property
     @abc.abstractmethod

@@ -240,6 +240,18 @@ class Refusal(Message):
     fragment: int = 0
     reason: str = "refused"
 
+    @classmethod
+    def of(cls, delta: Delta, reason: str) -> Refusal:
+        """The refusal of ``delta``, addressed to its sender."""
+        return cls(
+            run_id=delta.run_id,
+            learner_id=delta.learner_id,
+            incarnation=delta.incarnation,
+            seq=delta.seq,
+            fragment=delta.fragment,
+            reason=reason,
+        )
+
 
 KINDS: dict[str, type[Message]] = {
     cls.KIND: cls for cls in (Delta, GlobalFragment, Heartbeat, Ack, SnapshotRequest, Refusal)

@@ -128,7 +128,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self.max_message_bytes = max_message_bytes
         self.max_unacked = max_unacked
         self.ack_timeout_s = ack_timeout_s
-        self.stats = TransportStats()
+        super().__init__()
         self.gaps = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._dealers: list[zmq.Socket[bytes]] = []
@@ -151,13 +151,10 @@ class ZmqLearnerTransport(LearnerTransport):
             self._dealers.append(dealer)
             self._subs.append(sub)
         self._unacked: dict[int, _Pending] = {}
-        # Newest (epoch, version) accepted per fragment; versions compare within an epoch.
-        self._versions: dict[int, tuple[int, int]] = {}
         # Candidates not yet returned by poll(), oldest first, per fragment.
         self._ready: dict[int, list[GlobalFragment]] = {}
         # Fragments to resync: (when to ask again, the retry interval after that).
         self._awaiting: dict[int, tuple[float, float]] = {}
-        self._refused_fragments: set[int] = set()
 
     def _owner(self, fragment: int) -> int:
         return fragment % len(self._dealers)
@@ -226,9 +223,9 @@ class ZmqLearnerTransport(LearnerTransport):
         if g.run_id != self.run_id or g.fragment >= self.num_fragments:
             self.stats.rejected["wrong_run" if g.run_id != self.run_id else "bad_fragment"] += 1
             return
-        known = self._versions.get(g.fragment)
-        if known is not None and g.epoch == known[0] and g.version <= known[1]:
+        if not self._is_new(g):
             return
+        known = self._versions.get(g.fragment)
         ready = self._ready.setdefault(g.fragment, [])
         if (
             known is not None
@@ -247,11 +244,6 @@ class ZmqLearnerTransport(LearnerTransport):
         ready.append(g)
         del ready[:-_CANDIDATES_PER_FRAGMENT]
 
-    def accepted(self, fragment: GlobalFragment) -> None:
-        known = self._versions.get(fragment.fragment)
-        if known is None or fragment.epoch != known[0] or fragment.version > known[1]:
-            self._versions[fragment.fragment] = (fragment.epoch, fragment.version)
-
     def _handle_refusal(self, refusal: Refusal) -> None:
         if refusal.learner_id != self.learner_id or refusal.incarnation != self.incarnation:
             self.stats.rejected["foreign_refusal"] += 1
@@ -262,16 +254,6 @@ class ZmqLearnerTransport(LearnerTransport):
         if refusal.fragment < self.num_fragments:
             self._refused(refusal.fragment)
             self._resync(refusal.fragment)
-
-    def _refused(self, fragment: int) -> None:
-        """A delta of ``fragment`` was refused: forget its version, so that the
-        syncer's latest global is taken whatever it is."""
-        self._refused_fragments.add(fragment)
-        self._versions.pop(fragment, None)
-
-    def refused_fragments(self) -> set[int]:
-        refused, self._refused_fragments = self._refused_fragments, set()
-        return refused
 
     def _handle_ack(self, ack: Ack) -> None:
         if ack.learner_id != self.learner_id or ack.incarnation != self.incarnation:
@@ -463,14 +445,7 @@ class ZmqSyncerTransport(SyncerTransport):
         d = item.message
         if not isinstance(d, Delta) or item.token is None:
             return
-        refusal = Refusal(
-            run_id=self.run_id,
-            learner_id=d.learner_id,
-            incarnation=d.incarnation,
-            seq=d.seq,
-            fragment=d.fragment,
-            reason=reason,
-        )
+        refusal = Refusal.of(d, reason)
         self._send_to(item.token, wire.encode(refusal))
 
     def publish(self, fragment: GlobalFragment) -> None:

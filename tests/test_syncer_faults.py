@@ -168,6 +168,19 @@ def delta_on(g: GlobalFragment, learner: str, seq: int) -> Delta:
     )
 
 
+def write_initial_model(tmp_path: Path) -> None:
+    """The initial model of the run both fault tests drive."""
+    run = RunSettings(
+        run_id="faults",
+        learners=2,
+        fragments=FRAGMENTS,
+        sync_every=2,
+        overlap=1,
+        initial_model=str(tmp_path / "initial.safetensors"),
+    )
+    write_initial(run, WorkloadConfig(model=TINY))
+
+
 def test_crash_at_names_a_pipeline_boundary() -> None:
     assert SyncerConfig(crash_at="before_ack").crash_at == "before_ack"
     with pytest.raises(ValueError, match="crash_at='after_merge': choose one of"):
@@ -183,15 +196,7 @@ def ready_lines(syncer: SyncerProcess) -> int:
 def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_twice(
     tmp_path: Path, broker_url: str, crash_at: str
 ) -> None:
-    run = RunSettings(
-        run_id="faults",
-        learners=2,
-        fragments=FRAGMENTS,
-        sync_every=2,
-        overlap=1,
-        initial_model=str(tmp_path / "initial.safetensors"),
-    )
-    write_initial(run, WorkloadConfig(model=TINY))
+    write_initial_model(tmp_path)
     syncer = SyncerProcess(tmp_path, broker_url)
     syncer.start("--crash-at", crash_at)
     learners: dict[str, LearnerTransport] = {
@@ -317,15 +322,7 @@ def test_syncer_learner_and_redis_each_frozen_30s_the_run_goes_on_and_loses_noth
     syncer, none merged twice, both learners delivered everything, and their
     queues and memory stayed bounded while the broker or the syncer was gone."""
     url = f"{redis_server.url}?max_unacked={MAX_UNACKED}"
-    run = RunSettings(
-        run_id="faults",
-        learners=2,
-        fragments=FRAGMENTS,
-        sync_every=2,
-        overlap=1,
-        initial_model=str(tmp_path / "initial.safetensors"),
-    )
-    write_initial(run, WorkloadConfig(model=TINY))
+    write_initial_model(tmp_path)
     syncer = SyncerProcess(tmp_path, url)
     syncer.start()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
