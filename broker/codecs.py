@@ -14,6 +14,7 @@ or int4 (two per byte, low nibble first, stored as q + 8).
 from __future__ import annotations
 
 import io
+import sys
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -27,6 +28,8 @@ Lossless = Literal["none", "zstd", "lz4"]
 QUANTS: tuple[Quant, ...] = ("fp32", "bf16", "int8", "int4")
 LOSSLESS: tuple[Lossless, ...] = ("none", "zstd", "lz4")
 DEFAULT_BLOCK_SIZE = 64
+if sys.byteorder != "little":  # decoding views the little-endian wire bytes as they are
+    raise ImportError("ddiloco's codecs need a little-endian machine")
 _QMAX = {"int8": 127, "int4": 7}
 
 
@@ -145,23 +148,29 @@ class Codec:
         return scales_bytes + packed.astype(np.uint8).tobytes()
 
     def _dequantise(self, raw: bytes, numel: int) -> torch.Tensor:
+        if numel == 0:
+            return torch.empty(0, dtype=torch.float32)
         if self.quant == "fp32":
-            return torch.from_numpy(np.frombuffer(raw, dtype="<f4").astype(np.float32))
+            return torch.frombuffer(bytearray(raw), dtype=torch.float32)
         if self.quant == "bf16":
-            bits = np.frombuffer(raw, dtype="<i2").astype(np.int16)
-            return torch.from_numpy(bits).view(torch.bfloat16).to(torch.float32)
+            bits = torch.frombuffer(bytearray(raw), dtype=torch.int16)
+            return bits.view(torch.bfloat16).to(torch.float32)
+        # Few passes over the output, none over a repeated copy of the scales:
+        # codes are widened once into the output, then scaled per block in place.
         blocks = -(-numel // self.block_size)
-        scales = np.frombuffer(raw, dtype="<f4", count=blocks).astype(np.float32)
-        body = np.frombuffer(raw, dtype=np.uint8, offset=4 * blocks)
+        view = memoryview(raw)
+        scales = torch.frombuffer(bytearray(view[: 4 * blocks]), dtype=torch.float32)
+        out = torch.empty(blocks * self.block_size, dtype=torch.float32)
         if self.quant == "int8":
-            codes = body.view(np.int8).astype(np.float32)
+            out[:numel] = torch.frombuffer(bytearray(view[4 * blocks :]), dtype=torch.int8)
         else:
-            unpacked = np.empty(body.size * 2, dtype=np.uint8)
-            unpacked[0::2] = body & 0x0F
-            unpacked[1::2] = body >> 4
-            codes = unpacked[:numel].astype(np.float32) - 8.0
-        per_value = np.repeat(scales, self.block_size)[:numel]
+            body = torch.frombuffer(bytearray(view[4 * blocks :]), dtype=torch.uint8)
+            pairs = out[: 2 * body.numel()].view(-1, 2)
+            # Nibbles q + 8 in [0, 15]: back to q in int8, widened as they are stored.
+            pairs[:, 0] = (body & 0x0F).view(torch.int8) - 8
+            pairs[:, 1] = (body >> 4).view(torch.int8) - 8
+        out[numel:] = 0.0
         # A hostile payload may carry inf scales: the NaN that makes is refused by
-        # the caller's finiteness check, not worth a warning per message.
-        with np.errstate(invalid="ignore", over="ignore"):
-            return torch.from_numpy(codes * per_value)
+        # the caller's finiteness check.
+        out.view(blocks, self.block_size).mul_(scales[:, None])
+        return out[:numel]

@@ -9,10 +9,14 @@ what it would have contributed by sending its weights.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+
+# Below this magnitude the sum of two fp32 values cannot overflow.
+SAFE_MAGNITUDE = torch.finfo(torch.float32).max / 2
 
 
 class StaleDelta(ValueError):
@@ -63,11 +67,31 @@ class VersionHistory:
         raise StaleDelta("stale", f"base {version} is older than the {self.depth} kept versions")
 
 
+def max_abs(x: torch.Tensor) -> float:
+    """The largest magnitude in ``x``; inf when any value is not finite. One pass, no copy."""
+    if x.numel() == 0:
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return math.inf
+    return max(-lo, hi)
+
+
+def l2_norm(x: torch.Tensor) -> float:
+    """The L2 norm, in fp32 unless that overflows (then in float64)."""
+    norm = float(torch.linalg.vector_norm(x))
+    if math.isinf(norm):
+        norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+    return norm
+
+
 def outer_gradient(
     delta: torch.Tensor, base_weights: torch.Tensor, current_weights: torch.Tensor
 ) -> torch.Tensor:
-    """g_m = Theta(current) - (Theta(base) - delta)."""
-    return current_weights - (base_weights - delta)
+    """g_m = Theta(current) - (Theta(base) - delta), as the syncer computes it:
+    ``shift + delta`` with ``shift = Theta(current) - Theta(base)``, which all
+    deltas on one base share (and which is zero for a fresh learner)."""
+    return (current_weights - base_weights) + delta
 
 
 def token_step_weight(c_tokens: int, c_steps: int) -> float:
@@ -92,6 +116,24 @@ def weighted_mean(grads: Sequence[torch.Tensor], weights: Sequence[float]) -> to
     out = torch.zeros_like(grads[0], dtype=torch.float32)
     for g, wi in zip(grads, w.tolist(), strict=True):
         out.add_(g.to(torch.float32), alpha=wi)
+    return out
+
+
+def rebased_weighted_mean(
+    deltas: Sequence[torch.Tensor], shifts: Sequence[torch.Tensor], weights: Sequence[float]
+) -> torch.Tensor:
+    """``weighted_mean`` of ``shift_m + delta_m`` without forming any of them:
+    sum(w_m delta_m) plus, once per distinct shift tensor (deltas on one base
+    share it), the sum of its deltas' weights times it."""
+    w = _normalised(weights, len(deltas)).tolist()
+    out = torch.zeros_like(deltas[0], dtype=torch.float32)
+    on_shift: dict[int, tuple[torch.Tensor, float]] = {}
+    for delta, shift, wi in zip(deltas, shifts, w, strict=True):
+        out.add_(delta, alpha=wi)
+        _, total = on_shift.get(id(shift), (shift, 0.0))
+        on_shift[id(shift)] = (shift, total + wi)
+    for shift, total in on_shift.values():
+        out.add_(shift, alpha=total)
     return out
 
 

@@ -12,6 +12,7 @@ version was published, and that must hold across a syncer restart.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,14 +22,16 @@ import torch
 from broker.codecs import Codec
 from broker.wire import Delta
 from syncer.aggregation import (
+    SAFE_MAGNITUDE,
     StaleDelta,
     VersionHistory,
     coordinate_median,
-    outer_gradient,
+    l2_norm,
+    max_abs,
     radial_directional_mean,
+    rebased_weighted_mean,
     token_step_weight,
     trimmed_mean,
-    weighted_mean,
 )
 from syncer.outer import nesterov_step
 from syncer.quorum import Round
@@ -113,8 +116,13 @@ def _token(ref: Any) -> Any:
 
 
 def canonical(codec: Codec, weights: torch.Tensor) -> tuple[torch.Tensor, bytes]:
-    """Encode weights for publishing, and the exact weights learners will decode."""
+    """Encode weights for publishing, and the exact weights learners will decode.
+
+    fp32 decodes to ``weights`` bit for bit: they are returned as they are (the
+    master is replaced, never modified in place, so history may share it)."""
     payload = codec.encode(weights)
+    if codec.quant == "fp32" and codec.lossless == "none":
+        return weights, payload
     return codec.decode(payload, weights.numel()), payload
 
 
@@ -165,6 +173,9 @@ class FragmentState:
         # Only merged ones enter (clipped ones at their clipped size), so a
         # refused delta can never raise the bar for the next one.
         self.recent_norms: deque[float] = deque(maxlen=params.quarantine_window)
+        # master - Theta(v) and its largest magnitude, per base version v, while
+        # the master stays: rebasing a delta on v is adding it (see _shift).
+        self._shifts: dict[int, tuple[torch.Tensor, float]] = {}
 
     @property
     def version(self) -> int:
@@ -219,12 +230,13 @@ class FragmentState:
             return "wrong_epoch"  # based on another syncer lineage: the learner resyncs
         if tensor.shape != self.weights.shape:
             return "bad_shape"
-        if not torch.isfinite(tensor).all():
+        magnitude = max_abs(tensor)
+        if math.isinf(magnitude):
             return "non_finite"
         if delta.c_tokens == 0 or delta.c_steps == 0:
             return "empty"
         try:
-            base = self.history.get(delta.base_version)
+            _, shift_magnitude = self._shift(delta.base_version)
         except StaleDelta as e:
             return e.reason
         impossible = check_report(
@@ -236,8 +248,9 @@ class FragmentState:
         )
         if impossible is not None:
             return impossible
-        # Finite inputs can still overflow when rebased; find out now, not on close.
-        if not torch.isfinite(outer_gradient(tensor, base, self.master)).all():
+        # Finite inputs can still overflow when rebased (shift + delta); find out
+        # now, not on close.
+        if max(magnitude, shift_magnitude) >= SAFE_MAGNITUDE:
             return "non_finite"
         slot = (delta.learner_id, delta.base_version)
         current = self._pending.get(slot)
@@ -248,8 +261,7 @@ class FragmentState:
             (delta.incarnation, delta.seq),
             delta.base_version,
             tensor,
-            # In float64: the norm of huge finite values must not overflow to inf.
-            float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) / delta.c_steps,
+            l2_norm(tensor) / delta.c_steps,
             token_step_weight(delta.c_tokens, delta.c_steps),
             delta.c_tokens,
             delta.c_steps,
@@ -288,14 +300,15 @@ class FragmentState:
                 self.version, self.payload, 0, 0, refs, refused=[self._key(c) for c in refused]
             )
         weights = clip_weights([c.weight for c in kept], self.params.weight_clip)
-        merged = self._merge([self._rebased(c) for c in kept], weights)
+        merged = self._merge(kept, weights)
         master, momentum = nesterov_step(
             self.master, merged, self.momentum, self.params.outer_lr, self.params.outer_momentum
         )
-        if not torch.isfinite(master).all():
+        if math.isinf(max_abs(master)):
             # Finite inputs can still overflow; never publish a broken model.
             raise RoundOverflow(f"fragment {self.fragment}: outer step overflowed", refs)
         self.master, self.momentum = master, momentum
+        self._shifts = {}
         published, self.payload = canonical(self.codec, self.master)
         self._push(published, wall_s)
         for c in kept:
@@ -340,14 +353,25 @@ class FragmentState:
             c.norm_per_step = bar
         return contributions, outliers, []
 
-    def _rebased(self, c: _Contribution) -> torch.Tensor:
-        # Against the fp32 master: the learner's weights are base - delta exactly.
-        return outer_gradient(c.delta, self.history.get(c.base_version), self.master)
+    def _shift(self, version: int) -> tuple[torch.Tensor, float]:
+        """``master - Theta(version)`` and its largest magnitude.
 
-    def _merge(self, grads: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        A learner's weights are ``Theta(base) - delta``, so its outer gradient
+        against the fp32 master is ``shift(base) + delta``: one shift per base
+        version serves every delta on it (:class:`StaleDelta` for a version
+        not kept).
+        """
+        if version not in self._shifts:
+            shift = self.master - self.history.get(version)
+            self._shifts[version] = (shift, max_abs(shift))
+        return self._shifts[version]
+
+    def _merge(self, kept: list[_Contribution], weights: list[float]) -> torch.Tensor:
         aggregation = self.params.aggregation
+        shifts = [self._shift(c.base_version)[0] for c in kept]
         if aggregation == "mean":
-            return weighted_mean(grads, weights)
+            return rebased_weighted_mean([c.delta for c in kept], shifts, weights)
+        grads = [shift + c.delta for shift, c in zip(shifts, kept, strict=True)]
         if aggregation == "radial":
             return radial_directional_mean(grads, weights)
         if aggregation == "trimmed_mean":
@@ -384,7 +408,8 @@ class FragmentState:
     # -- checkpoint state ------------------------------------------------
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors = {f"version.{v}": w for v, w in self.history.items()}
-        tensors["master"] = self.master
+        if self.master is not self.weights:  # fp32 globals are the master itself
+            tensors["master"] = self.master
         # The exact bytes learners decode, so a restart republishes them bit for bit.
         tensors["payload"] = torch.frombuffer(bytearray(self.payload), dtype=torch.uint8)
         if self.momentum is not None:
@@ -427,6 +452,7 @@ class FragmentState:
             history.push(v, tensors[f"version.{v}"].to(torch.float32))
         self.history = history
         self.master = (history.current if master is None else master).to(torch.float32).clone()
+        self._shifts = {}
         self.momentum = None if momentum is None else momentum.to(torch.float32)
         self.epoch = int(meta.get("epoch", self.epoch))
         self.applied = {k: (int(v[0]), int(v[1])) for k, v in meta["applied"].items()}

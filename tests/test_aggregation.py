@@ -13,6 +13,7 @@ from syncer.aggregation import (
     VersionHistory,
     outer_gradient,
     radial_directional_mean,
+    rebased_weighted_mean,
     token_step_weight,
     weighted_mean,
 )
@@ -143,6 +144,24 @@ def test_weighted_mean_matches_numpy(m: int) -> None:
     out = weighted_mean([torch.from_numpy(g) for g in grads], weights)
     ref = np.average(np.stack(grads).astype(np.float64), axis=0, weights=weights)
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_rebased_weighted_mean_is_the_weighted_mean_of_the_outer_gradients(m: int) -> None:
+    """Deltas on two bases: one shift tensor per base, shared, as the syncer passes them."""
+    rng = np.random.default_rng(m)
+    current = rng.standard_normal(257).astype(np.float32)
+    bases = [rng.standard_normal(257).astype(np.float32) for _ in range(2)]
+    shifts = [torch.from_numpy(current) - torch.from_numpy(b) for b in bases]
+    deltas = [rng.standard_normal(257).astype(np.float32) for _ in range(m)]
+    on = [i % 2 for i in range(m)]
+    weights = list(rng.uniform(0.1, 1e3, m))
+    out = rebased_weighted_mean(
+        [torch.from_numpy(d) for d in deltas], [shifts[b] for b in on], weights
+    )
+    grads = [current.astype(np.float64) - (bases[b] - d) for d, b in zip(deltas, on, strict=True)]
+    ref = np.average(np.stack(grads), axis=0, weights=weights)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_weighted_mean_zero_weight_ignored_and_bf16_input() -> None:

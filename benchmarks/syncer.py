@@ -1,0 +1,199 @@
+"""Syncer throughput: decode, rebase, aggregate and outer step of one fragment,
+single-threaded, against a single-threaded memory copy of the same fp32 bytes.
+
+    python -m benchmarks.syncer [--smoke | --quick] [--out benchmarks/results/syncer.json]
+
+One round of M deltas goes through the syncer's own per-fragment code
+(:class:`syncer.fragment_state.FragmentState`), as the service runs it: each
+delta is decoded from its wire codec, offered (shape, finiteness, the bounds
+on its figures, the rebase against its base version, its norm for the
+quarantine), then the round closes (quarantine, weights, rebasing, the
+weighted mean, the Nesterov outer step, and the canonical encoding of the new
+global). ``aggregate_gbps`` is the fp32 bytes of deltas processed per second
+over all of it; ``memcpy_gbps`` is ``torch`` copying the same fp32 bytes of
+one delta from one buffer to another; ``ratio`` is the first over the second.
+Each figure is the best of ``repeats`` rounds. One torch thread throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from broker.codecs import Codec
+from broker.wire import Delta
+from syncer.fragment_state import AggregationParams, FragmentState
+from syncer.trust import ReportLimits
+
+LEARNERS = 4  # M deltas per round, all on the current version
+C_STEPS, C_TOKENS = 12, 12 * 4096  # what a delta reports (one H of steps)
+# (fragment sizes in MiB, repeats)
+MODES: dict[str, tuple[tuple[int, ...], int]] = {
+    "smoke": ((4,), 2),
+    "quick": ((64,), 3),
+    "full": ((64, 256), 5),
+}
+DELTA_CODECS = ("int8", "int4")
+
+
+def _params(global_codec: Codec) -> AggregationParams:
+    return AggregationParams(
+        quorum=LEARNERS,
+        grace_gamma=0.5,
+        overlap=2,
+        staleness=4,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        aggregation="mean",
+        codec=global_codec,
+        limits=ReportLimits(step_floor=64, max_tokens_per_step=1 << 20, max_clock_skew_s=60.0),
+        weight_clip=3.0,
+        quarantine_factor=10.0,
+        quarantine_window=16,
+        quarantine_action="clip",
+    )
+
+
+def memcpy_gbps(numel: int, repeats: int) -> float:
+    src = torch.randn(numel)
+    dst = torch.empty_like(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats + 1))
+    return numel * 4 / best / 1e9
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def one_round(numel: int, delta_codec: Codec, global_codec: Codec, seed: int) -> dict[str, float]:
+    """Seconds per stage for one round of LEARNERS deltas of ``numel`` values."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.randn(numel, generator=gen)
+    state = FragmentState(0, weights, _params(global_codec), published_s=0.0)
+    payloads = [
+        delta_codec.encode(1e-3 * torch.randn(numel, generator=gen)) for _ in range(LEARNERS)
+    ]
+    times = {"decode_s": 0.0, "offer_s": 0.0, "close_s": 0.0}
+    for m, payload in enumerate(payloads):
+        start = time.perf_counter()
+        tensor = delta_codec.decode(payload, numel)
+        times["decode_s"] += time.perf_counter() - start
+        delta = Delta(
+            run_id="bench",
+            learner_id=f"learner-{m}",
+            incarnation=1,
+            seq=1,
+            fragment=0,
+            base_version=state.version,
+            c_tokens=C_TOKENS,
+            c_steps=C_STEPS,
+            numel=numel,
+            step=C_STEPS,
+            codec=delta_codec,
+        )
+        start = time.perf_counter()
+        status = state.offer(delta, tensor, None, 0.0, wall_s=1.0, step_s=None)
+        times["offer_s"] += time.perf_counter() - start
+        if status != "accepted":
+            raise RuntimeError(f"the benchmark's delta was not accepted: {status}")
+    start = time.perf_counter()
+    result = state.close(wall_s=2.0)
+    times["close_s"] = time.perf_counter() - start
+    if result.included != LEARNERS:
+        raise RuntimeError(f"{result.included} of {LEARNERS} deltas merged")
+    times["total_s"] = times["decode_s"] + times["offer_s"] + times["close_s"]
+    return times
+
+
+def measure(mib: int, delta_codec: Codec, global_codec: Codec, repeats: int) -> dict[str, Any]:
+    numel = mib * 2**20 // 4
+    rounds = [one_round(numel, delta_codec, global_codec, seed) for seed in range(repeats)]
+    best = min(rounds, key=lambda r: r["total_s"])
+    delta_bytes = LEARNERS * numel * 4
+    copy = memcpy_gbps(numel, repeats)
+    gbps = delta_bytes / best["total_s"] / 1e9
+    return {
+        "fragment_bytes": numel * 4,
+        "learners": LEARNERS,
+        "delta_codec": delta_codec.name,
+        "global_codec": global_codec.name,
+        **{k: round(v, 4) for k, v in best.items()},
+        "aggregate_gbps": round(gbps, 3),
+        "memcpy_gbps": round(copy, 3),
+        "ratio": round(gbps / copy, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/syncer.json")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--smoke", action="store_true", help="CI: 4 MB fragments")
+    which.add_argument("--quick", action="store_true", help="64 MB fragments, 3 rounds each")
+    ap.add_argument("--global-codec", default="fp32", help="the codec of published globals")
+    args = ap.parse_args(argv)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    sizes, repeats = MODES[mode]
+    torch.set_num_threads(1)
+    global_codec = Codec.parse(args.global_codec)
+    results = []
+    for mib in sizes:
+        for name in DELTA_CODECS:
+            row = measure(mib, Codec.parse(name), global_codec, repeats)
+            results.append(row)
+            print(
+                f"{mib:4d} MiB {name:5s} decode {row['decode_s']:.3f}s offer {row['offer_s']:.3f}s "
+                f"close {row['close_s']:.3f}s: {row['aggregate_gbps']:.2f} GB/s, "
+                f"memcpy {row['memcpy_gbps']:.2f} GB/s, ratio {row['ratio']:.3f}",
+                flush=True,
+            )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "mode": mode,
+        "torch_threads": 1,
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ratio_target": 0.25,
+        "results": results,
+    }
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    _plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['fragment_bytes'] / 2**20:.0f} MB\n{r['delta_codec']}" for r in results]
+    fig, ax = plt.subplots(figsize=(1.6 * len(results) + 2, 4))
+    bottom = [0.0] * len(results)
+    for stage in ("decode_s", "offer_s", "close_s"):
+        values = [r[stage] for r in results]
+        ax.bar(labels, values, bottom=bottom, label=stage.removesuffix("_s"))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for i, r in enumerate(results):
+        ax.text(i, bottom[i], f"{r['ratio']:.2f}x memcpy", ha="center", va="bottom")
+    ax.set_ylabel(f"seconds per round of {LEARNERS} deltas (one thread)")
+    ax.set_title("Syncer: decode, offer (rebase, checks), close (aggregate, outer step)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
