@@ -3,10 +3,11 @@
 Keys, the delivery contract and the connection handling both sides share are in
 :mod:`broker.redis_common`. A learner XADDs its deltas to the delta stream of
 their fragment, HSETs its heartbeat into the learners hash, XREADs the globals
-stream and GETs the snapshot keys when it has no base or sees a gap.
+stream and GETs the snapshot keys when it has no base or sees a gap. Learner
+slots are leased in the leases hash by one script, on the server's clock.
 
-Connection errors never escape, with two exceptions: ``snapshot`` raises
-:class:`TransportError` when it gets no answer within its timeout, and
+Connection errors never escape, with two exceptions: ``snapshot`` and ``lease``
+raise :class:`TransportError` when they get no answer within their timeout, and
 ``send_delta`` raises :class:`Backpressure` when ``max_unacked`` deltas wait.
 """
 
@@ -22,6 +23,7 @@ from redis.typing import KeyT, StreamIdT
 
 from broker.redis_common import (
     FIELD,
+    LEASE_SLOT,
     STREAM_END_ID,
     Entries,
     Reconnect,
@@ -32,6 +34,7 @@ from broker.redis_common import (
     globals_stream_key,
     is_transient,
     learners_key,
+    leases_key,
     model_key,
     parse_id,
     read_block_ms,
@@ -92,6 +95,7 @@ class RedisLearnerTransport(LearnerTransport):
         self._max_block_s = socket_timeout_s / 2
         self._client = connect(url, socket_timeout_s)
         self._stream_end_id = self._client.register_script(STREAM_END_ID)
+        self._lease_slot = self._client.register_script(LEASE_SLOT)
         self._reconnect = Reconnect(f"learner {learner_id}")
         self._queue: deque[_QueuedDelta] = deque()
         self._globals = globals_stream_key(run_id)
@@ -313,6 +317,28 @@ class RedisLearnerTransport(LearnerTransport):
             for g in found.values():
                 self._advance(g)
             return found
+
+    # -- learner slots ----------------------------------------------------------
+    def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            time.sleep(min(max(0.0, deadline - time.monotonic()), self._reconnect.wait_s()))
+            try:
+                slot = self._lease_slot(
+                    keys=[leases_key(self.run_id)],
+                    args=[holder, max(1, int(ttl_s * 1000)), held_slot],
+                )
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                self._failed(e)
+                if time.monotonic() >= deadline:
+                    raise TransportError(f"no learner slot within {timeout_s}s: {e}") from e
+                continue
+            self._reconnect.succeeded()
+            return int(slot)
 
     def close(self) -> None:
         if self._queue:

@@ -17,6 +17,9 @@ Delivery contract
   one (dropped, trimmed, joined late) sees a gap and fetches the latest
   snapshot of that fragment instead.
 * Heartbeats are best effort and tiny.
+* Learner slots (:meth:`LearnerTransport.lease`) give learners that do not
+  name themselves a distinct id and data shard that survive their restarts;
+  Redis holds the leases (by its own clock), or the first ZeroMQ syncer does.
 * Every inbound frame is size-bounded and validated; a bad one is dropped and
   counted in ``rejected`` by reason, never raised into the service.
 * Every call that waits takes a timeout; none blocks forever.
@@ -89,6 +92,18 @@ class LearnerTransport(abc.ABC):
     @abc.abstractmethod
     def unacked(self) -> int:
         """Deltas handed over but not yet durably delivered."""
+
+    def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:
+        """Take or renew a learner slot (0, 1, ...) for ``holder`` for ``ttl_s``.
+
+        The slot ``holder`` holds already; else ``held_slot`` when it is free
+        (a holder renewing after the lease authority lost its leases); else
+        the lowest free slot. A slot is free when nobody holds it or its
+        holder's lease ran out. Call again well within ``ttl_s`` to keep the
+        slot. Raises :class:`TransportError` when the authority does not
+        answer within ``timeout_s``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} hands out no learner slots")
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every delta is delivered; True if none is left."""
