@@ -53,12 +53,19 @@ class _Collect(SyncerTransport):
     def __init__(self) -> None:
         self.stats = TransportStats()
         self.published = 0
+        self.refused = 0
 
     def receive(self, timeout_s: float) -> list[Inbound]:
         return []
 
     def ack(self, items: list[Inbound]) -> None:
         pass
+
+    def existing_globals(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
+        return {}
+
+    def refuse(self, item: Inbound, reason: str) -> None:
+        self.refused += 1
 
     def publish(self, fragment: GlobalFragment) -> None:
         self.published += 1

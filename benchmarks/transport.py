@@ -1,6 +1,7 @@
-"""Transport throughput on loopback: deltas/s and MB/s through each backend.
+"""Transport throughput on loopback: deltas/s and MB/s through each backend,
+against the raw library moving the same bytes the same way, in the same run.
 
-    python -m benchmarks.transport [--out benchmarks/results/transport.json]
+    python -m benchmarks.transport [--smoke | --quick] [--out benchmarks/results/transport.json]
 
 One learner process sends fp32 deltas of each size; one syncer process
 receives and acknowledges each (as a syncer does after its update is durable,
@@ -8,11 +9,20 @@ minus the update). Measured from the first send to the last acknowledgement,
 so it is end-to-end delivered throughput, not socket write speed. Redis is a
 private server started for the run (AOF with appendfsync always, so every
 acknowledged delta is on disk) unless --redis-url is given.
+
+The baselines do what each backend does with nothing of ours on the path:
+``raw_zmq`` sends the bytes from a DEALER to a ROUTER in another process that
+answers each with an 8-byte acknowledgement, at most 16 unacknowledged (the
+backend's window here); ``raw_redis`` XADDs them one at a time (a delta is
+delivered when its XADD returns, as in the backend) while a consumer process
+reads them with XREADGROUP and XACKs them. ``ratio_vs_raw`` is the backend's
+MB/s over its baseline's at the same size.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import platform
@@ -20,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -32,6 +42,13 @@ from broker.wire import Delta
 RUN = "bench"
 PLAN = "0123456789abcdef"
 INCARNATION = 1
+WINDOW = 16  # deltas in flight: the backends' max_unacked here, and the raw window
+# (fragment sizes in MiB, about how many bytes to send at each size)
+MODES: dict[str, tuple[tuple[float, ...], float]] = {
+    "smoke": ((1,), 32e6),
+    "quick": ((1, 16), 256e6),
+    "full": ((1, 16, 64), 1024e6),
+}
 
 
 def _syncer(url: str, ready: Any, stop: Any) -> None:
@@ -54,7 +71,7 @@ def measure(backend: str, url: str, size_bytes: int, count: int) -> dict[str, An
     # A deep window and a long ack timeout: measure throughput, not resends.
     sep = "&" if "?" in url else "?"
     learner = connect_learner(
-        f"{url}{sep}max_unacked=16&ack_timeout_s=30",
+        f"{url}{sep}max_unacked={WINDOW}" + ("&ack_timeout_s=30" if backend == "zmq" else ""),
         run_id=RUN,
         learner_id="bench-learner",
         incarnation=INCARNATION,
@@ -100,6 +117,103 @@ def measure(backend: str, url: str, size_bytes: int, count: int) -> dict[str, An
         learner.close()
         stop.set()
         proc.join(30)
+    return _result(backend, size_bytes, count, elapsed) | {"wire_bytes_total": wire_bytes}
+
+
+def _raw_zmq_receiver(endpoint: str, ready: Any, stop: Any) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    ready.set()
+    while not stop.is_set():
+        if not router.poll(50):
+            continue
+        while True:
+            try:
+                identity, seq, _ = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            router.send_multipart([identity, seq])  # the 8-byte acknowledgement
+    ctx.destroy(linger=0)
+
+
+def measure_raw_zmq(endpoint: str, size_bytes: int, count: int) -> dict[str, Any]:
+    import zmq
+
+    ctx_mp = mp.get_context("spawn")
+    ready, stop = ctx_mp.Event(), ctx_mp.Event()
+    proc = ctx_mp.Process(target=_raw_zmq_receiver, args=(endpoint, ready, stop), daemon=True)
+    proc.start()
+    if not ready.wait(60):
+        raise RuntimeError("raw ZeroMQ receiver did not start")
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    payload = np.random.default_rng(0).standard_normal(size_bytes // 4, dtype=np.float32)
+    body = payload.tobytes()
+    try:
+        for warm in (True, False):
+            n = 2 if warm else count
+            start = time.perf_counter()
+            sent = acked = 0
+            while acked < n:
+                while sent < n and sent - acked < WINDOW:
+                    dealer.send_multipart([sent.to_bytes(8, "little"), body], copy=False)
+                    sent += 1
+                dealer.recv()
+                acked += 1
+            elapsed = time.perf_counter() - start
+    finally:
+        ctx.destroy(linger=0)
+        stop.set()
+        proc.join(30)
+    return _result("raw_zmq", size_bytes, count, elapsed)
+
+
+def _raw_redis_consumer(url: str, stream: str, ready: Any, stop: Any) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: made by an earlier size
+        client.xgroup_create(stream, "raw", id="0", mkstream=True)
+    ready.set()
+    while not stop.is_set():
+        reply = cast(list[Any], client.xreadgroup("raw", "c", {stream: ">"}, count=64, block=50))
+        for _, entries in reply or []:
+            client.xack(stream, "raw", *[entry_id for entry_id, _ in entries])
+    client.close()
+
+
+def measure_raw_redis(url: str, size_bytes: int, count: int) -> dict[str, Any]:
+    import redis
+
+    stream = f"bench-raw-{size_bytes}"
+    ctx_mp = mp.get_context("spawn")
+    ready, stop = ctx_mp.Event(), ctx_mp.Event()
+    proc = ctx_mp.Process(target=_raw_redis_consumer, args=(url, stream, ready, stop), daemon=True)
+    proc.start()
+    if not ready.wait(60):
+        raise RuntimeError("raw Redis consumer did not start")
+    client = redis.Redis.from_url(url)
+    body = np.random.default_rng(0).standard_normal(size_bytes // 4, dtype=np.float32).tobytes()
+    try:
+        for warm in (True, False):
+            n = 2 if warm else count
+            start = time.perf_counter()
+            for _ in range(n):
+                client.xadd(stream, {"m": body}, maxlen=10_000, approximate=True)
+            elapsed = time.perf_counter() - start
+    finally:
+        stop.set()
+        proc.join(30)
+        client.delete(stream)
+        client.close()
+    return _result("raw_redis", size_bytes, count, elapsed)
+
+
+def _result(backend: str, size_bytes: int, count: int, elapsed: float) -> dict[str, Any]:
     return {
         "backend": backend,
         "fragment_bytes": size_bytes,
@@ -107,7 +221,6 @@ def measure(backend: str, url: str, size_bytes: int, count: int) -> dict[str, An
         "seconds": round(elapsed, 4),
         "deltas_per_s": round(count / elapsed, 2),
         "mb_per_s": round(count * size_bytes / elapsed / 1e6, 2),
-        "wire_bytes_total": wire_bytes,
     }
 
 
@@ -115,15 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/transport.json")
     ap.add_argument("--backends", default="zmq,redis")
-    ap.add_argument("--sizes-mb", default="1,16")
-    ap.add_argument(
-        "--bytes-per-size",
-        type=float,
-        default=512e6,
-        help="send about this many bytes per (backend, size)",
-    )
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--smoke", action="store_true", help="CI: 1 MB fragments, 32 MB each")
+    which.add_argument("--quick", action="store_true", help="1 and 16 MB, 256 MB each")
     ap.add_argument("--redis-url", default=None, help="default: start a private redis-server")
     args = ap.parse_args(argv)
+    sizes_mb, bytes_per_size = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
 
     server = None
     results = []
@@ -141,12 +251,18 @@ def main(argv: list[str] | None = None) -> int:
                 from compose.processes import free_port_pair
 
                 url = f"zmq://127.0.0.1:{free_port_pair()}"
-            for mb in (float(x) for x in args.sizes_mb.split(",")):
+            for mb in sizes_mb:
                 size = int(mb * 1024 * 1024)
-                count = max(8, int(args.bytes_per_size // size))
-                r = measure(backend, url, size, count)
-                print(json.dumps(r), flush=True)
-                results.append(r)
+                count = max(8, int(bytes_per_size // size))
+                ours = measure(backend, url, size, count)
+                if backend == "zmq":
+                    raw = measure_raw_zmq(f"tcp://127.0.0.1:{free_port_pair()}", size, count)
+                else:
+                    raw = measure_raw_redis(url, size, count)
+                ours["ratio_vs_raw"] = round(ours["mb_per_s"] / raw["mb_per_s"], 3)
+                for r in (ours, raw):
+                    print(json.dumps(r), flush=True)
+                results += [ours, raw]
     finally:
         if server:
             server.stop()
@@ -161,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                     "python": sys.version.split()[0],
                     "platform": platform.platform(),
                 },
+                "window": WINDOW,
                 "results": results,
             },
             indent=2,

@@ -112,26 +112,43 @@ def _options_for(cls: type, parsed: BrokerUrl) -> dict[str, Any]:
 
 
 def connect_learner(
-    url: str, *, run_id: str, learner_id: str, incarnation: int, num_fragments: int
+    url: str,
+    *,
+    run_id: str,
+    learner_id: str,
+    incarnation: int,
+    num_fragments: int,
+    max_message_bytes: int | None = None,
 ) -> LearnerTransport:
+    """``max_message_bytes``: the frame bound the plan needs (``plan.max_message_bytes``);
+    a ``max_message_bytes`` in the URL wins."""
     parsed = parse_url(url)
     cls, _ = _backend_classes(parsed.backend)
     options = _options_for(cls, parsed)
-    if parsed.backend == "zmq":
-        transport: LearnerTransport = cls(
-            list(parsed.endpoints), run_id, learner_id, incarnation, num_fragments, **options
-        )
-    else:
-        transport = cls(parsed.endpoints[0], run_id, learner_id, num_fragments, **options)
+    if max_message_bytes is not None:
+        options.setdefault("max_message_bytes", max_message_bytes)
+    # ZeroMQ talks to every syncer endpoint; Redis to one server.
+    where = list(parsed.endpoints) if parsed.backend == "zmq" else parsed.endpoints[0]
+    transport: LearnerTransport = cls(
+        where, run_id, learner_id, incarnation, num_fragments, **options
+    )
     return transport
 
 
 def connect_syncer(
-    url: str, *, run_id: str, syncer_id: str, fragments: list[int]
+    url: str,
+    *,
+    run_id: str,
+    syncer_id: str,
+    fragments: list[int],
+    max_message_bytes: int | None = None,
 ) -> SyncerTransport:
+    """``max_message_bytes`` as for :func:`connect_learner`."""
     parsed = parse_url(url)
     _, cls = _backend_classes(parsed.backend)
     options = _options_for(cls, parsed)
+    if max_message_bytes is not None:
+        options.setdefault("max_message_bytes", max_message_bytes)
     if parsed.backend == "zmq":
         if len(parsed.endpoints) != 1:
             raise ValueError(

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from broker.wire import FRAME_PREFIX_BYTES, MAX_HEADER_BYTES
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -130,9 +132,7 @@ class FragmentPlan:
     def for_model(
         cls, model: torch.nn.Module, num_fragments: int, sync_every: int | None = None
     ) -> FragmentPlan:
-        return cls.build(
-            param_specs(synced_parameters(model).items()), num_fragments, sync_every
-        )
+        return cls.build(param_specs(synced_parameters(model).items()), num_fragments, sync_every)
 
     # -- structure -------------------------------------------------------
     def fragment_specs(self, fragment: int) -> list[ParamSpec]:
@@ -144,6 +144,18 @@ class FragmentPlan:
 
     def fragment_nbytes(self, fragment: int) -> int:
         return sum(s.nbytes for s in self.fragment_specs(fragment))
+
+    @property
+    def total_numel(self) -> int:
+        return sum(s.numel for s in self.specs)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest frame a message of this plan can need: its largest fragment
+        in fp32 (the widest codec) plus the largest header. Transports refuse
+        anything bigger before decoding it."""
+        widest = max(self.fragment_numel(p) for p in range(self.num_fragments))
+        return 4 * widest + MAX_HEADER_BYTES + FRAME_PREFIX_BYTES
 
     def to_json(self) -> dict[str, Any]:
         """The whole plan as plain JSON values (what :meth:`from_json` reads)."""

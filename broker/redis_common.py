@@ -12,6 +12,9 @@ Keys of one run (``{run}`` is the run id)::
     ddiloco:{run}:model:{p}    string   the latest global of fragment p, for joiners
     ddiloco:{run}:learners     hash     learner id -> its latest heartbeat frame
     ddiloco:{run}:leases       hash     learner slot -> "holder expiry_ms" (LEASE_SLOT)
+    ddiloco:{run}:trimmed:{p}  integer  delta entries of fragment p trimmed unread
+    ddiloco:{run}:notices:{l}  stream   refusals of learner l's deltas (short MAXLEN,
+                                        expires when unused)
 
 Every stream entry holds one :mod:`broker.wire` frame in the field ``m``.
 
@@ -29,11 +32,15 @@ Delivery
   a live syncer holds a delta before acking it.
 * Delta streams are trimmed with XTRIM MINID below the oldest entry that is
   pending or not yet delivered to the group, so trimming never eats an entry
-  the syncer still needs. The learner's approximate MAXLEN is only a safety
-  bound for a syncer that is down for long; an entry it trims while pending is
-  detected (it comes back without fields) and counted as ``trimmed``, but one
-  it trims before the group read it is lost unnoticed (redis < 7 keeps no
-  record of it): size ``delta_stream_maxlen`` for the longest syncer outage.
+  the syncer still needs. The learner's ``delta_stream_maxlen`` is a hard bound
+  for a syncer that is down for long: its XADD (one script, :data:`BOUNDED_XADD`)
+  first drops what the group is done with, and only then the oldest entries the
+  syncer never acked, which it counts in ``trimmed:{p}``. The learner logs
+  every such loss, and the syncer reports the count (``transport_trimmed_unread``)
+  and logs it loudly. Size ``delta_stream_maxlen`` (a URL option) for the
+  longest syncer outage you want to survive without loss.
+* A delta the syncer refuses is XACKed and answered on the learner's notices
+  stream, which the learner reads in the same blocking XREAD as the globals.
 * Globals reach learners in version order per fragment. A learner that sees a
   gap, a fragment it has no base for, or the globals stream trimmed past its
   read position fetches the latest-snapshot keys instead.
@@ -131,6 +138,42 @@ redis.call('HSET', KEYS[1], tostring(mine), holder .. ' ' .. string.format('%d',
 return mine
 """
 
+# XADD ARGV[2] (a frame in field ARGV[1]) to delta stream KEYS[1], keeping it at
+# most ARGV[3] entries long. Entries group ARGV[4] is done with (delivered and
+# acked) go first; if that is not enough, the oldest others are dropped and
+# counted in KEYS[2]. Returns how many unread or unacked entries were dropped.
+BOUNDED_XADD = """
+local maxlen = tonumber(ARGV[3])
+local lost = 0
+if redis.call('XLEN', KEYS[1]) >= maxlen then
+    local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+    if ok then
+        for _, g in ipairs(groups) do
+            local info = {}
+            for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+            if info['name'] == ARGV[4] then
+                local bound = info['last-delivered-id']
+                if info['pending'] > 0 then
+                    bound = redis.call('XPENDING', KEYS[1], ARGV[4])[2]
+                end
+                redis.call('XTRIM', KEYS[1], 'MINID', bound)
+            end
+        end
+    end
+    local len = redis.call('XLEN', KEYS[1])
+    if len >= maxlen then
+        lost = len - maxlen + 1
+        redis.call('XTRIM', KEYS[1], 'MAXLEN', maxlen - 1)
+        redis.call('INCRBY', KEYS[2], lost)
+    end
+end
+redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+return lost
+"""
+
+NOTICES_MAXLEN = 100  # refusals kept per learner: a learner reads them within a poll
+NOTICES_TTL_S = 3600  # a notices stream nobody writes to for an hour goes away
+
 T = TypeVar("T")
 
 
@@ -152,6 +195,14 @@ def learners_key(run_id: str) -> str:
 
 def leases_key(run_id: str) -> str:
     return f"ddiloco:{run_id}:leases"
+
+
+def trimmed_key(run_id: str, fragment: int) -> str:
+    return f"ddiloco:{run_id}:trimmed:{fragment}"
+
+
+def notices_key(run_id: str, learner_id: str) -> str:
+    return f"ddiloco:{run_id}:notices:{learner_id}"
 
 
 def to_str(value: bytes | str) -> str:

@@ -22,7 +22,9 @@ from typing import Any, cast
 from redis.typing import KeyT, StreamIdT
 
 from broker.redis_common import (
+    BOUNDED_XADD,
     FIELD,
+    GROUP,
     LEASE_SLOT,
     STREAM_END_ID,
     Entries,
@@ -36,23 +38,36 @@ from broker.redis_common import (
     learners_key,
     leases_key,
     model_key,
+    notices_key,
     parse_id,
     read_block_ms,
     retry_until,
     sleep_tail,
     to_str,
+    trimmed_key,
 )
-from broker.transport import Backpressure, LearnerTransport, TransportError, TransportStats
-from broker.wire import Delta, GlobalFragment, Heartbeat
+from broker.transport import (
+    Backpressure,
+    LearnerTransport,
+    TransportError,
+    candidate_order,
+)
+from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
 
 log = logging.getLogger(__name__)
 
 _GLOBALS_READ_COUNT = 16  # globals are whole fragments: read few at a time
 
 
+# The accepted (epoch, version) of a fragment known to have no global yet: any
+# global of it is new.
+_NOTHING_YET = (-1, -1)
+
+
 @dataclass
 class _QueuedDelta:
     stream: str
+    trimmed_key: str
     frame: bytes
     failed_attempts: int = 0
 
@@ -65,6 +80,7 @@ class RedisLearnerTransport(LearnerTransport):
         url: str,
         run_id: str,
         learner_id: str,
+        incarnation: int,
         num_fragments: int,
         *,
         max_message_bytes: int = 256 * 2**20,
@@ -84,11 +100,12 @@ class RedisLearnerTransport(LearnerTransport):
             raise ValueError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
         self.run_id = run_id
         self.learner_id = learner_id
+        self.incarnation = incarnation
         self.num_fragments = num_fragments
         self.max_message_bytes = max_message_bytes
         self.max_unacked = max_unacked
         self.delta_stream_maxlen = delta_stream_maxlen
-        self.stats = TransportStats()
+        super().__init__()
         self.connection_errors = 0
         self.heartbeats_dropped = 0
         # A blocking read must end well before the socket timeout.
@@ -96,13 +113,16 @@ class RedisLearnerTransport(LearnerTransport):
         self._client = connect(url, socket_timeout_s)
         self._stream_end_id = self._client.register_script(STREAM_END_ID)
         self._lease_slot = self._client.register_script(LEASE_SLOT)
+        self._bounded_xadd = self._client.register_script(BOUNDED_XADD)
         self._reconnect = Reconnect(f"learner {learner_id}")
         self._queue: deque[_QueuedDelta] = deque()
         self._globals = globals_stream_key(run_id)
         # Read position in the globals stream; None until the first snapshot or poll.
         self._position: str | None = None
-        # Latest version per fragment; -1: known not to exist yet; missing: no base.
-        self._versions: dict[int, int] = {}
+        # Refusals of our deltas, read with the globals; old incarnations' are skipped.
+        self._notices = notices_key(run_id, learner_id)
+        self._notices_position = "0-0"
+        self.trimmed_unread = 0  # deltas of ours (or others') the stream bound dropped unread
 
     # -- deltas and heartbeats ----------------------------------------------
     def send_delta(self, delta: Delta) -> None:
@@ -115,7 +135,13 @@ class RedisLearnerTransport(LearnerTransport):
             if len(self._queue) >= self.max_unacked:
                 raise Backpressure(f"{len(self._queue)} deltas wait for redis")
         frame = encode_bounded(delta, self.max_message_bytes)
-        self._queue.append(_QueuedDelta(delta_stream_key(self.run_id, delta.fragment), frame))
+        self._queue.append(
+            _QueuedDelta(
+                delta_stream_key(self.run_id, delta.fragment),
+                trimmed_key(self.run_id, delta.fragment),
+                frame,
+            )
+        )
         self._send_queued()
 
     def _send_queued(self) -> None:
@@ -123,11 +149,11 @@ class RedisLearnerTransport(LearnerTransport):
         while self._queue and not self._reconnect.wait_s():
             item = self._queue[0]
             try:
-                self._client.xadd(
-                    item.stream,
-                    {FIELD: item.frame},
-                    maxlen=self.delta_stream_maxlen,
-                    approximate=True,
+                lost = int(
+                    self._bounded_xadd(
+                        keys=[item.stream, item.trimmed_key],
+                        args=[FIELD, item.frame, self.delta_stream_maxlen, GROUP],
+                    )
                 )
             except Exception as e:
                 if not is_transient(e):
@@ -137,6 +163,16 @@ class RedisLearnerTransport(LearnerTransport):
                 return
             self._reconnect.succeeded()
             self._queue.popleft()
+            if lost:
+                self.trimmed_unread += lost
+                log.error(
+                    "learner %s: %s is at its bound of %d entries with the syncer behind: "
+                    "dropped %d unread deltas (raise delta_stream_maxlen or restart the syncer)",
+                    self.learner_id,
+                    item.stream,
+                    self.delta_stream_maxlen,
+                    lost,
+                )
             self.stats.bytes_sent += len(item.frame)
             self.stats.messages_sent += 1
             if item.failed_attempts:
@@ -181,7 +217,10 @@ class RedisLearnerTransport(LearnerTransport):
         if self._position is None:
             return self._resync()
         block_ms = read_block_ms(deadline, self._max_block_s)
-        streams: dict[KeyT, StreamIdT] = {self._globals: self._position}
+        streams: dict[KeyT, StreamIdT] = {
+            self._globals: self._position,
+            self._notices: self._notices_position,
+        }
         reply = cast(
             list[tuple[bytes, Entries]],
             self._client.xread(
@@ -194,7 +233,11 @@ class RedisLearnerTransport(LearnerTransport):
             if block_ms is None:
                 sleep_tail(deadline)
             return []
-        entries = reply[0][1]
+        replied = {to_str(stream): entries for stream, entries in reply}
+        resync = self._read_notices(replied.get(self._notices, []))
+        entries = replied.get(self._globals, [])
+        if not entries:
+            return self._fetch_snapshots(resync)
         # New entries arrived. Trimming drops the oldest entries first, so if the
         # stream's first entry is now newer than our position, entries we never
         # read may have been trimmed: fall back to the snapshot keys.
@@ -207,36 +250,69 @@ class RedisLearnerTransport(LearnerTransport):
             )
             self.stats.bytes_received += sum(len(f.get(FIELD, b"")) for _, f in entries)
             return self._resync()
-        return self._accept_globals(entries)
+        return self._accept_globals(entries, resync)
 
-    def _accept_globals(self, entries: Entries) -> list[GlobalFragment]:
-        """The next versions among ``entries``; snapshots for gaps. Moves the read
-        position and the versions only once nothing can fail any more, so that a
-        connection error reads the same entries again."""
+    def _read_notices(self, entries: Entries) -> list[int]:
+        """Count the refusals among ``entries``; the fragments to resync."""
+        resync: list[int] = []
+        for entry_id, fields in entries:
+            self._notices_position = to_str(entry_id)
+            msg = check_frame(fields.get(FIELD), self.max_message_bytes, self.stats)
+            if msg is None:
+                continue
+            if (
+                not isinstance(msg, Refusal)
+                or msg.run_id != self.run_id
+                or msg.learner_id != self.learner_id
+            ):
+                self.stats.rejected["foreign_refusal"] += 1
+                continue
+            if msg.incarnation != self.incarnation:
+                continue  # an earlier process of ours was refused; nothing to do now
+            self.stats.refused[msg.reason] += 1
+            log.warning(
+                "learner %s: the syncer refused delta %d of fragment %d (%s); resyncing it",
+                self.learner_id,
+                msg.seq,
+                msg.fragment,
+                msg.reason,
+            )
+            if msg.fragment < self.num_fragments and msg.fragment not in resync:
+                self._refused(msg.fragment)
+                resync.append(msg.fragment)
+        return resync
+
+    def _accept_globals(self, entries: Entries, fetch: list[int]) -> list[GlobalFragment]:
+        """The next versions among ``entries``; snapshots for gaps and for the
+        fragments in ``fetch``. Moves the read position only once nothing can fail
+        any more, so that a connection error reads the same entries again. Records
+        no version: that waits for :meth:`accepted`."""
         found: list[GlobalFragment] = []
-        versions = dict(self._versions)
-        fetch: list[int] = []  # fragments with a gap or no base: take their snapshot
+        seen = dict(self._versions)  # this batch's newest candidates, for gaps
         for _, fields in entries:
             msg = self._check_global(fields.get(FIELD))
             if msg is None or msg.fragment in fetch:
                 continue
-            known = versions.get(msg.fragment)
-            if known is not None and msg.version <= known:
-                continue
-            if known is not None and msg.version == known + 1:
-                versions[msg.fragment] = msg.version
+            known = seen.get(msg.fragment)
+            if known is None:
+                fetch.append(msg.fragment)  # no base: take the snapshot
+            elif msg.epoch != known[0] or msg.version == known[1] + 1:
+                # The next version, or a restarted syncer's new lineage.
+                seen[msg.fragment] = (msg.epoch, msg.version)
                 found.append(msg)
-            else:
-                fetch.append(msg.fragment)
-        if fetch:
-            frames = self._client.mget([model_key(self.run_id, p) for p in fetch])
-            for p, g in self._get_models(fetch, frames).items():
-                if g.version > versions.get(p, -1):
-                    versions[p] = g.version
-                    found.append(g)
-        self._versions = versions
+            elif msg.version > known[1]:
+                fetch.append(msg.fragment)  # a gap: the snapshot is the latest
+        found += self._fetch_snapshots(fetch)
         self._position = to_str(entries[-1][0])
-        return found
+        return sorted(found, key=candidate_order)
+
+    def _fetch_snapshots(self, fragments: list[int]) -> list[GlobalFragment]:
+        if not fragments:
+            return []
+        frames = self._client.mget([model_key(self.run_id, p) for p in fragments])
+        return [
+            g for _, g in sorted(self._get_models(fragments, frames).items()) if self._is_new(g)
+        ]
 
     def _check_global(self, frame: Any) -> GlobalFragment | None:
         msg = check_frame(frame, self.max_message_bytes, self.stats)
@@ -253,13 +329,6 @@ class RedisLearnerTransport(LearnerTransport):
             return msg
         return None
 
-    def _advance(self, msg: GlobalFragment) -> bool:
-        """Record ``msg``'s version; True if it is newer than what we had."""
-        known = self._versions.get(msg.fragment)
-        if known is not None and msg.version <= known:
-            return False
-        self._versions[msg.fragment] = msg.version
-        return True
 
     def _get_models(self, fragments: list[int], frames: list[Any]) -> dict[int, GlobalFragment]:
         found: dict[int, GlobalFragment] = {}
@@ -290,12 +359,12 @@ class RedisLearnerTransport(LearnerTransport):
         if self._position is None or set(fragments) >= set(range(self.num_fragments)):
             self._position = to_str(last_id) if last_id is not None else "0-0"
         for p in fragments:
-            self._versions.setdefault(p, -1)
+            self._versions.setdefault(p, _NOTHING_YET)
         return found
 
     def _resync(self) -> list[GlobalFragment]:
         snapshots = self._load_snapshots(list(range(self.num_fragments)))
-        return [g for _, g in sorted(snapshots.items()) if self._advance(g)]
+        return [g for _, g in sorted(snapshots.items()) if self._is_new(g)]
 
     def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
         bad = [p for p in fragments if not 0 <= p < self.num_fragments]
@@ -314,8 +383,6 @@ class RedisLearnerTransport(LearnerTransport):
                     raise TransportError(f"no snapshot within {timeout_s}s: {e}") from e
                 continue
             self._reconnect.succeeded()
-            for g in found.values():
-                self._advance(g)
             return found
 
     # -- learner slots ----------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import redis
@@ -24,6 +25,8 @@ from redis.typing import KeyT, StreamIdT
 from broker.redis_common import (
     FIELD,
     GROUP,
+    NOTICES_MAXLEN,
+    NOTICES_TTL_S,
     Entries,
     Reconnect,
     check_frame,
@@ -34,14 +37,16 @@ from broker.redis_common import (
     is_transient,
     learners_key,
     model_key,
+    notices_key,
     parse_id,
     read_block_ms,
     retry_until,
     sleep_tail,
     to_str,
+    trimmed_key,
 )
 from broker.transport import Inbound, SyncerTransport, TransportStats
-from broker.wire import Delta, GlobalFragment, Heartbeat
+from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +120,7 @@ class RedisSyncerTransport(SyncerTransport):
         self._trim_waiting: set[str] = set()
         self._next_trim_at: dict[str, float] = {}
         self._unpublished: dict[int, bytes] = {}
+        self._next_trimmed_check_at = 0.0
         try:
             self._ensure_groups()
         except Exception as e:
@@ -182,6 +188,7 @@ class RedisSyncerTransport(SyncerTransport):
         self._publish_queued()
         self._xack([])  # the rejected entries of the last call
         self._trim_due()
+        self._count_trimmed_unread()
         items = self._read_heartbeats()
         items += self._claim_abandoned()
         items += self._read_own_pending()
@@ -344,19 +351,56 @@ class RedisSyncerTransport(SyncerTransport):
         when ``items`` is empty)."""
         tokens = [cast(tuple[str, str], i.token) for i in items if i.token is not None]
         self._outstanding.difference_update(tokens)
-        if self._reconnect.wait_s():
-            # Left pending: our PEL re-read after reconnecting delivers them again,
-            # and the caller's de-duplication acks them then.
-            return
-        try:
+
+        def xack_and_trim() -> None:
             self._xack(tokens)
             self._trim_due()
+
+        # If redis is away they stay pending: our PEL re-read after reconnecting
+        # delivers them again, and the caller's de-duplication acks them then.
+        self._attempt(xack_and_trim)
+
+    def _attempt(self, action: Callable[[], object]) -> bool:
+        """Run ``action`` unless we are backing off from redis; True if it ran.
+        A transient error starts (or extends) the backoff instead of escaping."""
+        if self._reconnect.wait_s():
+            return False
+        try:
+            action()
         except Exception as e:
             if not is_transient(e):
                 raise
             self._failed(e)
-        else:
-            self._reconnect.succeeded()
+            return False
+        self._reconnect.succeeded()
+        return True
+
+    def existing_globals(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
+        frames = self._client.mget([model_key(self.run_id, p) for p in fragments])
+        found = {}
+        for p, frame in zip(fragments, frames, strict=True):
+            msg = check_frame(frame, self.max_message_bytes, self.stats) if frame else None
+            if isinstance(msg, GlobalFragment) and msg.run_id == self.run_id and msg.fragment == p:
+                found[p] = (msg.epoch, msg.version)
+        return found
+
+    def refuse(self, item: Inbound, reason: str) -> None:
+        """XACK the entry and tell its learner on its notices stream. If redis is
+        away the entry stays pending: it is delivered again and refused again."""
+        d = item.message
+        if not isinstance(d, Delta) or item.token is None:
+            return
+        stream, entry_id = cast(tuple[str, str], item.token)
+        self._outstanding.discard((stream, entry_id))
+        refusal = Refusal.of(d, reason)
+        notices = notices_key(self.run_id, d.learner_id)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.xadd(notices, {FIELD: encode_bounded(refusal, self.max_message_bytes)},
+                  maxlen=NOTICES_MAXLEN, approximate=False)  # fmt: skip
+        pipe.expire(notices, NOTICES_TTL_S)
+        pipe.xack(stream, self.group, entry_id)
+        if self._attempt(pipe.execute):
+            self._trim_waiting.add(stream)
 
     def _xack(self, tokens: list[tuple[str, str]]) -> None:
         """XACK ``tokens`` and the rejected entries waiting for it."""
@@ -404,6 +448,29 @@ class RedisSyncerTransport(SyncerTransport):
             self._trim_waiting.discard(stream)
             self._next_trim_at[stream] = now + _TRIM_INTERVAL_S
 
+    def _count_trimmed_unread(self) -> None:
+        """Take (GETDEL) the counts of delta entries the learners' stream bound
+        dropped unread (see ``BOUNDED_XADD``), at most every second: each loss is
+        reported once, also when it happened while no syncer ran."""
+        now = time.monotonic()
+        if now < self._next_trimmed_check_at:
+            return
+        self._next_trimmed_check_at = now + _TRIM_INTERVAL_S
+        pipe = self._client.pipeline(transaction=False)
+        for p in self.fragments:
+            pipe.getdel(trimmed_key(self.run_id, p))
+        for p, raw in zip(self.fragments, pipe.execute(), strict=True):
+            lost = int(raw or 0)
+            if lost > 0:
+                self.stats.rejected["trimmed_unread"] += lost
+                log.error(
+                    "syncer %s: %d deltas of fragment %d were dropped unread at the delta "
+                    "stream's bound (no syncer kept up); raise delta_stream_maxlen",
+                    self.consumer,
+                    lost,
+                    p,
+                )
+
     def _trim_bound(self, groups: list[dict[str, Any]], pending: dict[str, Any]) -> str | None:
         bounds: list[tuple[int, int]] = []
         for g in groups:
@@ -429,16 +496,7 @@ class RedisSyncerTransport(SyncerTransport):
         if fragment.run_id != self.run_id:
             raise ValueError(f"global of run {fragment.run_id!r} published on run {self.run_id!r}")
         self._unpublished[fragment.fragment] = encode_bounded(fragment, self.max_message_bytes)
-        if self._reconnect.wait_s():
-            return
-        try:
-            self._publish_queued()
-        except Exception as e:
-            if not is_transient(e):
-                raise
-            self._failed(e)
-        else:
-            self._reconnect.succeeded()
+        self._attempt(self._publish_queued)
 
     def _publish_queued(self) -> None:
         if not self._unpublished:

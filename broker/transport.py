@@ -15,7 +15,13 @@ Delivery contract
   exactly-once application.
 * Globals reach learners in version order per fragment; a learner that missed
   one (dropped, trimmed, joined late) sees a gap and fetches the latest
-  snapshot of that fragment instead.
+  snapshot of that fragment instead. Versions compare within a syncer epoch
+  only. A transport hands globals over as candidates and records a version
+  only once the learner has validated the global (:meth:`LearnerTransport.accepted`):
+  a malformed global with a huge version cannot make it drop the real ones.
+* A delta the syncer refuses is answered with a :class:`~broker.wire.Refusal`,
+  never a silent acknowledgement: the learner stops resending it, counts it by
+  reason, and fetches the fragment's latest global.
 * Heartbeats are best effort and tiny.
 * Learner slots (:meth:`LearnerTransport.lease`) give learners that do not
   name themselves a distinct id and data shard that survive their restarts;
@@ -54,6 +60,10 @@ class TransportStats:
     messages_received: int = 0
     resent: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)  # our deltas the syncer refused
+    # Snapshot requests left unanswered because the same peer was answered within
+    # the rate limit: flow control (a learner asks again), not a refused message.
+    rate_limited: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,10 +74,35 @@ class Inbound:
     token: Any = None  # backend-specific; None for messages that need no ack
 
 
-class LearnerTransport(abc.ABC):
-    """Learner side. Used from one thread (the learner's comm thread)."""
+def candidate_order(g: GlobalFragment) -> tuple[int, int, int]:
+    """The order a learner takes candidate globals in: per fragment, oldest first
+    (an epoch is its syncer's start time, so a later epoch is a newer lineage)."""
+    return (g.fragment, g.epoch, g.version)
 
-    stats: TransportStats
+
+class LearnerTransport(abc.ABC):
+    """Learner side. Used from one thread (the learner's comm thread).
+
+    Keeps, for both backends, the (epoch, version) the learner accepted per
+    fragment and the fragments to resync after a refusal."""
+
+    def __init__(self) -> None:
+        self.stats = TransportStats()
+        # Accepted (epoch, version) per fragment; missing: no base yet.
+        self._versions: dict[int, tuple[int, int]] = {}
+        self._refused_fragments: set[int] = set()
+
+    def _is_new(self, g: GlobalFragment) -> bool:
+        """Whether ``g`` is newer than what was accepted: a later version of the
+        same epoch, or any version of another epoch (a restarted syncer's lineage)."""
+        known = self._versions.get(g.fragment)
+        return known is None or g.epoch != known[0] or g.version > known[1]
+
+    def _refused(self, fragment: int) -> None:
+        """A delta of ``fragment`` was refused: forget its version, so that the
+        syncer's latest global is taken whatever it is."""
+        self._refused_fragments.add(fragment)
+        self._versions.pop(fragment, None)
 
     @abc.abstractmethod
     def send_delta(self, delta: Delta) -> None:
@@ -80,13 +115,30 @@ class LearnerTransport(abc.ABC):
 
     @abc.abstractmethod
     def poll(self, timeout_s: float) -> list[GlobalFragment]:
-        """Wait up to ``timeout_s`` for globals; also services acks, resends and
-        reconnects. Returns new globals in version order per fragment."""
+        """Wait up to ``timeout_s`` for globals; also services acks, refusals,
+        resends and reconnects. Returns candidate globals newer than the accepted
+        ones, in version order per fragment."""
 
     @abc.abstractmethod
     def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
-        """The latest global of each fragment that exists, for joining or rejoining.
-        Fragments nobody has published yet are missing from the result."""
+        """The latest global of each fragment that exists, for joining or rejoining,
+        whatever version was accepted before. Fragments nobody has published yet
+        are missing from the result."""
+
+    def refused_fragments(self) -> set[int]:
+        """Fragments whose deltas the syncer refused since the last call. The
+        transport has forgotten their versions and asked for their latest global:
+        the learner takes it whatever its version (its own base may be one the
+        syncer never published)."""
+        refused, self._refused_fragments = self._refused_fragments, set()
+        return refused
+
+    def accepted(self, fragment: GlobalFragment) -> None:
+        """The learner validated ``fragment``: later globals of its fragment are
+        compared with it (older ones of its epoch are dropped, a skipped version
+        is a gap)."""
+        if self._is_new(fragment):
+            self._versions[fragment.fragment] = (fragment.epoch, fragment.version)
 
     @property
     @abc.abstractmethod
@@ -130,6 +182,16 @@ class SyncerTransport(abc.ABC):
     def ack(self, items: list[Inbound]) -> None:
         """Acknowledge deltas whose update is durable (or that were rejected or
         de-duplicated): they will not be delivered again."""
+
+    @abc.abstractmethod
+    def existing_globals(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
+        """(epoch, version) of the latest global of each of ``fragments`` that a
+        syncer of this run published before, where the broker keeps globals
+        (Redis does; ZeroMQ keeps none and answers {})."""
+
+    @abc.abstractmethod
+    def refuse(self, item: Inbound, reason: str) -> None:
+        """Tell the sender its delta was refused, and never deliver it again."""
 
     @abc.abstractmethod
     def publish(self, fragment: GlobalFragment) -> None:

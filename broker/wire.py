@@ -28,6 +28,7 @@ SCHEMA_VERSION = 2  # 2: globals carry their syncer epoch, deltas their base's
 MAGIC = b"DDL1"
 _PREFIX = struct.Struct("<4sII")
 _CRC = struct.Struct("<I")
+FRAME_PREFIX_BYTES = _PREFIX.size + _CRC.size  # what a frame adds to header and payload
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
 MAX_ID_LEN = 64
@@ -35,6 +36,7 @@ MAX_LIST_LEN = 4096
 _U63 = 2**63 - 1
 _ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _HASH_RE = re.compile(r"^[0-9a-f]{16}$")
+_REASON_RE = re.compile(r"^[a-z0-9_]{1,32}$")
 
 
 class WireError(ValueError):
@@ -78,6 +80,11 @@ def _check_uint_list(name: str, v: Any) -> None:
         _check_uint(name, x)
 
 
+def _check_reason(name: str, v: Any) -> None:
+    if not isinstance(v, str) or not _REASON_RE.match(v):
+        raise WireError("bad_field", f"{name} must be 1-32 chars of [a-z0-9_]")
+
+
 def _check_codec(name: str, v: Any) -> None:
     if not isinstance(v, Codec):  # __post_init__ parsed the name; this is a wrong type
         raise WireError("bad_codec", f"{name} must be a codec")
@@ -103,6 +110,7 @@ _CHECKS = {
     "step_time_s": _check_time,
     "codec": _check_codec,
     "seqs": _check_uint_list,
+    "reason": _check_reason,
     "fragments": _check_uint_list,
     "holder": _check_id,
     "held_slot": _check_slot,
@@ -227,6 +235,34 @@ class SnapshotRequest(Message):
 
 
 @dataclass(frozen=True)
+class Refusal(Message):
+    """Syncer -> learner: this delta was refused (and will not be asked for again);
+    resync the fragment. Never a silent acknowledgement: a learner whose deltas are
+    all refused (a syncer that lost its state, a base the syncer never published)
+    learns it at once instead of reporting success while the run learns nothing."""
+
+    KIND: ClassVar[str] = "refusal"
+    run_id: str = ""
+    learner_id: str = ""
+    incarnation: int = 0
+    seq: int = 0
+    fragment: int = 0
+    reason: str = "refused"
+
+    @classmethod
+    def of(cls, delta: Delta, reason: str) -> Refusal:
+        """The refusal of ``delta``, addressed to its sender."""
+        return cls(
+            run_id=delta.run_id,
+            learner_id=delta.learner_id,
+            incarnation=delta.incarnation,
+            seq=delta.seq,
+            fragment=delta.fragment,
+            reason=reason,
+        )
+
+
+@dataclass(frozen=True)
 class LeaseRequest(Message):
     """Learner -> the first syncer: take or renew a learner slot for ``holder``
     for ``ttl_s`` (see ``LearnerTransport.lease``); ``held_slot`` is the slot
@@ -251,7 +287,16 @@ class LeaseGrant(Message):
 
 KINDS: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (Delta, GlobalFragment, Heartbeat, Ack, SnapshotRequest, LeaseRequest, LeaseGrant)
+    for cls in (
+        Delta,
+        GlobalFragment,
+        Heartbeat,
+        Ack,
+        SnapshotRequest,
+        Refusal,
+        LeaseRequest,
+        LeaseGrant,
+    )
 }
 
 

@@ -38,6 +38,7 @@ from broker.transport import (
     SyncerTransport,
     TransportError,
     TransportStats,
+    candidate_order,
 )
 from broker.wire import (
     Ack,
@@ -46,6 +47,7 @@ from broker.wire import (
     Heartbeat,
     LeaseGrant,
     LeaseRequest,
+    Refusal,
     SnapshotRequest,
     WireError,
 )
@@ -54,6 +56,9 @@ log = logging.getLogger(__name__)
 GLOBALS_TOPIC = b"g"
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _FRAME_OVERHEAD = 64 * 1024 + 16  # header limit + prefix + checksum
+_CANDIDATES_PER_FRAGMENT = 4  # globals held per fragment between two polls
+_RESYNC_FIRST_RETRY_S = 0.5  # then doubling: whole fragments must not pile up on a slow link
+_RESYNC_MAX_RETRY_S = 8.0
 
 
 def pub_endpoint(endpoint: str) -> str:
@@ -131,7 +136,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self.max_message_bytes = max_message_bytes
         self.max_unacked = max_unacked
         self.ack_timeout_s = ack_timeout_s
-        self.stats = TransportStats()
+        super().__init__()
         self.gaps = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._dealers: list[zmq.Socket[bytes]] = []
@@ -154,9 +159,10 @@ class ZmqLearnerTransport(LearnerTransport):
             self._dealers.append(dealer)
             self._subs.append(sub)
         self._unacked: dict[int, _Pending] = {}
-        # Newest (epoch, version) seen per fragment; versions compare within an epoch.
-        self._versions: dict[int, tuple[int, int]] = {}
-        self._ready: dict[int, GlobalFragment] = {}  # newest not yet returned by poll()
+        # Candidates not yet returned by poll(), oldest first, per fragment.
+        self._ready: dict[int, list[GlobalFragment]] = {}
+        # Fragments to resync: (when to ask again, the retry interval after that).
+        self._awaiting: dict[int, tuple[float, float]] = {}
         self._grants: dict[str, int] = {}  # holder -> slot, from the syncer's last answer
 
     def _owner(self, fragment: int) -> int:
@@ -208,23 +214,55 @@ class ZmqLearnerTransport(LearnerTransport):
                 continue
             self.stats.bytes_sent += len(frame)
 
+    def _resync(self, fragment: int) -> None:
+        """Ask for the fragment's latest global until an answer comes: the syncer
+        may drop a request (rate limit, full queue) and PUB may drop the newest
+        version, after which no later message would reveal the gap."""
+        if fragment not in self._awaiting:
+            self._awaiting[fragment] = (0.0, _RESYNC_FIRST_RETRY_S)
+
+    def _retry_resyncs(self) -> None:
+        now = time.monotonic()
+        for p, (due, retry_s) in list(self._awaiting.items()):
+            if now >= due:
+                self._request_snapshot([p])
+                self._awaiting[p] = (now + retry_s, min(2 * retry_s, _RESYNC_MAX_RETRY_S))
+
     def _handle_global(self, g: GlobalFragment) -> None:
         if g.run_id != self.run_id or g.fragment >= self.num_fragments:
             self.stats.rejected["wrong_run" if g.run_id != self.run_id else "bad_fragment"] += 1
             return
-        known = self._versions.get(g.fragment)
-        if known is not None and g.epoch == known[0] and g.version <= known[1]:
+        if not self._is_new(g):
             return
-        if known is not None and g.epoch == known[0] and g.version > known[1] + 1:
+        known = self._versions.get(g.fragment)
+        ready = self._ready.setdefault(g.fragment, [])
+        if (
+            known is not None
+            and g.epoch == known[0]
+            and g.version > 1 + max([known[1]] + [r.version for r in ready if r.epoch == g.epoch])
+        ):
             # Missed at least one version (PUB dropped it, or we were away):
-            # this one is complete weights so we take it, and ask for the
+            # this one is complete weights so we offer it, and ask for the
             # latest in case the tail was dropped too.
             self.gaps += 1
-            self._request_snapshot([g.fragment])
-        # A global of another epoch is a restarted syncer's new lineage: taken as
-        # is, whatever its version (its versions start again at 0).
-        self._versions[g.fragment] = (g.epoch, g.version)
-        self._ready[g.fragment] = g
+            self._resync(g.fragment)
+        # A global of another epoch is a restarted syncer's new lineage: offered
+        # as is, whatever its version (its versions start again at 0). Nothing is
+        # recorded until the learner has validated it (accepted()); a few
+        # candidates per fragment are kept, so a bad one cannot hide a good one.
+        ready.append(g)
+        del ready[:-_CANDIDATES_PER_FRAGMENT]
+
+    def _handle_refusal(self, refusal: Refusal) -> None:
+        if refusal.learner_id != self.learner_id or refusal.incarnation != self.incarnation:
+            self.stats.rejected["foreign_refusal"] += 1
+            return
+        if self._unacked.pop(refusal.seq, None) is None:
+            return  # already handled (a refusal of a resent delta)
+        self.stats.refused[refusal.reason] += 1
+        if refusal.fragment < self.num_fragments:
+            self._refused(refusal.fragment)
+            self._resync(refusal.fragment)
 
     def _handle_ack(self, ack: Ack) -> None:
         if ack.learner_id != self.learner_id or ack.incarnation != self.incarnation:
@@ -245,11 +283,15 @@ class ZmqLearnerTransport(LearnerTransport):
                     break
                 msg = _decode(parts[-1], self.max_message_bytes, self.stats)
                 if isinstance(msg, GlobalFragment):
+                    if sock in self._dealers:  # a snapshot answer: the resync is done
+                        self._awaiting.pop(msg.fragment, None)
                     self._handle_global(msg)
                 elif isinstance(msg, Ack):
                     self._handle_ack(msg)
                 elif isinstance(msg, LeaseGrant) and msg.run_id == self.run_id:
                     self._grants[msg.holder] = msg.slot
+                elif isinstance(msg, Refusal):
+                    self._handle_refusal(msg)
                 elif msg is not None:
                     self.stats.rejected["unexpected_kind"] += 1
 
@@ -262,7 +304,8 @@ class ZmqLearnerTransport(LearnerTransport):
     def poll(self, timeout_s: float) -> list[GlobalFragment]:
         self._drain(timeout_s)
         self._resend_due()
-        ready = sorted(self._ready.values(), key=lambda g: g.fragment)
+        self._retry_resyncs()
+        ready = sorted((g for queued in self._ready.values() for g in queued), key=candidate_order)
         self._ready.clear()
         return ready
 
@@ -271,7 +314,7 @@ class ZmqLearnerTransport(LearnerTransport):
         got: dict[int, GlobalFragment] = {}
         deadline = time.monotonic() + timeout_s
         next_request = 0.0
-        retry_s = 0.5  # doubles: on a slow link full answers must not pile up
+        retry_s = _RESYNC_FIRST_RETRY_S
         # Forget what we knew so the syncer's current version is taken even if
         # it is not newer (a learner may rejoin a syncer that restarted).
         for p in wanted:
@@ -283,12 +326,12 @@ class ZmqLearnerTransport(LearnerTransport):
             if now >= next_request:
                 self._request_snapshot(sorted(wanted - got.keys()))
                 next_request = now + retry_s
-                retry_s = min(retry_s * 2, 8.0)
+                retry_s = min(retry_s * 2, _RESYNC_MAX_RETRY_S)
             self._drain(min(0.05, deadline - now))
             self._resend_due()
             for p in list(self._ready):
                 if p in wanted:
-                    got[p] = self._ready.pop(p)
+                    got[p] = max(self._ready.pop(p), key=candidate_order)
         return got
 
     def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:
@@ -412,7 +455,7 @@ class ZmqSyncerTransport(SyncerTransport):
         for p in sorted(asked & self._latest.keys()):
             last = self._answered.get((identity, p))
             if last is not None and now - last < self.snapshot_interval_s:
-                self.stats.rejected["snapshot_rate_limited"] += 1
+                self.stats.rate_limited += 1
                 continue
             self._answered[(identity, p)] = now
             self._send_to(identity, self._latest[p])
@@ -453,6 +496,16 @@ class ZmqSyncerTransport(SyncerTransport):
                     seqs=batch[start : start + wire.MAX_LIST_LEN],
                 )
                 self._send_to(identity, wire.encode(ack))
+
+    def existing_globals(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
+        return {}  # globals live in this process only; learners follow a new epoch
+
+    def refuse(self, item: Inbound, reason: str) -> None:
+        d = item.message
+        if not isinstance(d, Delta) or item.token is None:
+            return
+        refusal = Refusal.of(d, reason)
+        self._send_to(item.token, wire.encode(refusal))
 
     def publish(self, fragment: GlobalFragment) -> None:
         frame = wire.encode(fragment, self.max_message_bytes)

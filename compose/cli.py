@@ -64,8 +64,7 @@ THROTTLE_ACTIONS = {
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
-    # Leave the training loop through an exception: the learner sends what it
-    # trained before it exits (docker stop, a swarm scaling down, a lost slot).
+    # Stopped while it waits for a slot, before it trained anything: leave at once.
     raise SystemExit(128 + signum)
 
 
@@ -95,8 +94,12 @@ def _run_learner(cfg: LearnerConfig) -> int:
             EventLog(cfg.metrics_file, learner=cfg.learner_id).write(
                 "lease", holder=lease.holder, slot=lease.slot, shard=cfg.shard
             )
+    learner = Learner(cfg)
+    # From here SIGTERM (docker stop, a swarm scaling down, a lost slot) ends the
+    # learner after its step, with what it trained sent, and exit code 0.
+    signal.signal(signal.SIGTERM, lambda *_: learner.stop_requested.set())
     try:
-        result = Learner(cfg).run()
+        result = learner.run()
     finally:
         if lease is not None:
             lease.close()

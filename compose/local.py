@@ -141,7 +141,15 @@ class LocalRun:
             host = self.network.host_address if self.network else "127.0.0.1"
             url = f"zmq://{host}:{self.port}"
         quorum = self.m if self.mode == "diloco" else run.quorum
-        initial = str(self.out / "initial-model.safetensors")
+        # The run folder's own initial model, written at start, unless the user
+        # gave one (e.g. from `ddiloco init` or a pretrained model): then that one.
+        initial = run.initial_model
+        if initial == RunSettings.initial_model:
+            initial = str(self.out / "initial-model.safetensors")
+        elif not Path(initial).is_file():
+            raise ValueError(
+                f"--initial-model {initial}: no such file; write it with `ddiloco init`"
+            )
         return dataclasses.replace(
             run, url=url, quorum=quorum, initial_model=initial, run_id=self._run_id()
         )
@@ -258,7 +266,8 @@ class LocalRun:
         services: list[Proc] = []
         if self.mode != "ddp":
             # The syncer's start: the same initial model file whoever connects first.
-            write_initial(self.run_settings, cfg.workload)
+            if cfg.run.initial_model == RunSettings.initial_model:
+                write_initial(self.run_settings, cfg.workload)
             self.syncer = self.syncer_proc()
             self.syncer.start(self.events)
             self.syncer.wait_ready(120)

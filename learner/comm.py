@@ -4,7 +4,9 @@ The training loop never waits on the network. It hands deltas and heartbeats
 to this thread through bounded queues and picks up arrived globals at step
 boundaries. Encoding (quantisation, compression) happens here too, off the
 training thread; with error feedback, what a codec dropped from one delta is
-added to the next delta of the same fragment instead of being lost.
+added to the next delta of the same fragment instead of being lost. Globals are
+validated here too, before the transport records their version: a malformed
+global can neither reach the weights nor hide the real ones that follow.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,8 +24,12 @@ import torch
 from broker.codecs import Codec
 from broker.transport import Backpressure, LearnerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat
+from learner.fragment_sync import Stamp
 
 log = logging.getLogger(__name__)
+
+# A validated global: (fragment, (epoch, version), flat fp32 weights).
+Decoded = tuple[int, Stamp, torch.Tensor]
 
 
 @dataclass
@@ -55,41 +62,72 @@ class DeltaEncoder:
 
 
 class CommThread(threading.Thread):
+    """``check`` validates a global against the learner's plan: the decoded global,
+    or why it is refused. ``max_queued_bytes`` bounds the raw deltas waiting to be
+    encoded and the encoded ones waiting for transport room, together."""
+
     def __init__(
-        self, transport: LearnerTransport, encoder: DeltaEncoder, max_queued: int = 64
+        self,
+        transport: LearnerTransport,
+        encoder: DeltaEncoder,
+        check: Callable[[GlobalFragment], Decoded | str],
+        max_queued_bytes: int,
     ) -> None:
         super().__init__(name="ddiloco-comm", daemon=True)
+        if max_queued_bytes < 1:
+            raise ValueError(f"max_queued_bytes must be >= 1, got {max_queued_bytes}")
         self.transport = transport
         self.encoder = encoder
-        self._outbox: queue.Queue[OutgoingDelta] = queue.Queue(maxsize=max_queued)
+        self.check = check
+        self.max_queued_bytes = max_queued_bytes
+        self._outbox: queue.Queue[OutgoingDelta] = queue.Queue()
         self._backlog: deque[Delta] = deque()  # encoded, waiting for transport room
+        self._queued_bytes = 0  # raw bytes of what is in the outbox and the backlog
         self._heartbeat: Heartbeat | None = None
         self._lock = threading.Lock()
-        self._arrived: dict[int, GlobalFragment] = {}
+        self._arrived: dict[int, Decoded] = {}
+        # Fragments whose next global is taken whatever its version (the syncer
+        # refused a delta of theirs), and those of them that arrived.
+        self._force_next: set[int] = set()
+        self._forced: set[int] = set()
         self._stopping = threading.Event()
         self.dropped = 0
+        self.globals_rejected: Counter[str] = Counter()
         self._encoding = 0
         self.error: BaseException | None = None
 
     # -- called from the training thread -----------------------------------
     def send_delta(self, item: OutgoingDelta) -> None:
-        try:
-            self._outbox.put_nowait(item)
-        except queue.Full:
-            # The network is far behind; dropping is better than stalling
-            # training. The next delta of the fragment carries the progress.
+        size = _raw_bytes(item.delta)
+        with self._lock:
+            full = self._queued_bytes + size > self.max_queued_bytes
+            if not full:
+                self._queued_bytes += size
+        if full:
+            # The network is far behind; dropping the new delta is better than
+            # stalling training or growing without bound. Its fragment's next
+            # delta is measured from the same base, so it carries this progress.
             self.dropped += 1
             log.warning("outbox full: dropped delta of fragment %d", item.meta.fragment)
+            return
+        self._outbox.put_nowait(item)
 
     def heartbeat(self, hb: Heartbeat) -> None:
         with self._lock:
             self._heartbeat = hb
 
-    def take_globals(self) -> list[GlobalFragment]:
+    def take_globals(self) -> tuple[list[Decoded], set[int]]:
+        """The globals that arrived (the newest valid one per fragment), and the
+        fragments among them to apply whatever their version."""
         with self._lock:
-            arrived = sorted(self._arrived.values(), key=lambda g: g.fragment)
+            arrived = sorted(self._arrived.values(), key=lambda g: g[0])
+            forced, self._forced = self._forced, set()
             self._arrived.clear()
-        return arrived
+        return arrived, forced
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
 
     @property
     def pending(self) -> int:
@@ -116,7 +154,7 @@ class CommThread(threading.Thread):
             log.exception("comm thread failed")
 
     def _pump(self) -> None:
-        while len(self._backlog) < self._outbox.maxsize:
+        while True:
             self._encoding = 1  # set before taking, so pending never reads 0 in between
             try:
                 self._backlog.append(self.encoder.encode(self._outbox.get_nowait()))
@@ -129,13 +167,28 @@ class CommThread(threading.Thread):
                 self.transport.send_delta(self._backlog[0])
             except Backpressure:
                 break
-            self._backlog.popleft()
+            sent = self._backlog.popleft()
+            with self._lock:
+                self._queued_bytes -= 4 * sent.numel
         with self._lock:
             hb, self._heartbeat = self._heartbeat, None
         if hb is not None:
             self.transport.send_heartbeat(hb)
         arrived = self.transport.poll(0.01)
-        if arrived:
+        self._force_next |= self.transport.refused_fragments()
+        for g in arrived:
+            decoded = self.check(g)
+            if isinstance(decoded, str):
+                self.globals_rejected[decoded] += 1
+                log.warning("refused global %d v%d: %s", g.fragment, g.version, decoded)
+                continue
+            self.transport.accepted(g)
             with self._lock:
-                for g in arrived:
-                    self._arrived[g.fragment] = g
+                self._arrived[g.fragment] = decoded
+                if g.fragment in self._force_next:
+                    self._force_next.discard(g.fragment)
+                    self._forced.add(g.fragment)
+
+
+def _raw_bytes(delta: torch.Tensor) -> int:
+    return 4 * delta.numel()  # flat fp32, as the training thread hands it over

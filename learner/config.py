@@ -67,9 +67,11 @@ class SyncConfig:
     finish_timeout_s: float = 10.0  # at the end, wait this long for the last deltas' acks
     sync_pause_every: int = 0  # measurement aid: sync pauses in the 2nd half of every 2N steps
     blocking: bool = False  # synchronous DiLoCo: wait for each fragment's new global
+    max_queued_models: float = 2.0  # deltas waiting to be sent (copies of the model, >= 64 MiB)
 
     def __post_init__(self) -> None:
         require(0 <= self.mix_alpha < 1, f"mix_alpha={self.mix_alpha}: use [0, 1)")
+        check_positive("max_queued_models", self.max_queued_models)
         check_positive("finish_timeout_s", self.finish_timeout_s, allow_zero=True)
         check_int("sync_pause_every", self.sync_pause_every, minimum=0)
 
@@ -114,7 +116,7 @@ class LearnerConfig:
     resume_optimizer: bool = False  # keep the inner optimizer's state across restarts
     shard: int = 0  # this learner's slice of the training data ...
     num_shards: int = 1  # ... out of this many
-    slowdown: float = 1.0  # >= 1: each step takes this many times longer (emulated hardware)
+    slowdown: float = 1.0  # >= 1: steps last this x the fastest compute (emulated hardware)
     state_dir: str | None = None  # progress file so a restarted learner resumes its schedule
     metrics_file: str | None = None  # JSON lines of progress
     metrics_port: int = 0  # 0: no Prometheus endpoint

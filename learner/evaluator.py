@@ -49,6 +49,7 @@ class Evaluator:
             learner_id=EVALUATOR_ID,
             incarnation=time.time_ns(),
             num_fragments=cfg.run.fragments,
+            max_message_bytes=self.plan.max_message_bytes,
         )
 
     def _catch_up(self, timeout_s: float) -> None:
@@ -57,7 +58,9 @@ class Evaluator:
             decoded = decode_global(g, self.plan)
             if isinstance(decoded, str):
                 log.warning("refused global %d v%d: %s", g.fragment, g.version, decoded)
-            elif self.fragments.is_newer(decoded[0], decoded[1]):
+                continue
+            self.transport.accepted(g)
+            if self.fragments.is_newer(decoded[0], decoded[1]):
                 self.fragments.apply(*decoded, self.params)
 
     def _load_snapshot(self, timeout_s: float) -> None:

@@ -48,6 +48,14 @@ class TorchrunGroup:
             out.append((p, (int(header[p, 0]), int(header[p, 1])), flat))
         return out
 
+    def anyone(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank: decisions every rank must take together."""
+        if self.world == 1:
+            return flag
+        any_set = torch.tensor([int(flag)])
+        dist.all_reduce(any_set, op=dist.ReduceOp.MAX)
+        return bool(any_set.item())
+
     def allreduce_grads(self, model: torch.nn.Module) -> None:
         if self.world == 1:
             return

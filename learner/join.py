@@ -14,9 +14,7 @@ from broker.wire import GlobalFragment, WireError
 from learner.fragment_sync import Stamp
 
 
-def decode_global(
-    g: GlobalFragment, plan: FragmentPlan
-) -> tuple[int, Stamp, torch.Tensor] | str:
+def decode_global(g: GlobalFragment, plan: FragmentPlan) -> tuple[int, Stamp, torch.Tensor] | str:
     """(fragment, (epoch, version), weights) of a global that fits ``plan``, else why not."""
     if g.plan_hash != plan.plan_hash:
         return "wrong_plan"
@@ -60,5 +58,6 @@ def join_snapshot(
         decoded = decode_global(g, plan)
         if isinstance(decoded, str):
             raise ValueError(f"the syncer's snapshot of fragment {g.fragment} is bad: {decoded}")
+        transport.accepted(g)
         arrived.append(decoded)
     return arrived

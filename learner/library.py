@@ -57,8 +57,8 @@ from broker.fragments import FragmentPlan, synced_parameters
 from broker.initial_model import write_initial_model
 from broker.settings import NO_BROKER, RunSettings
 from broker.transport import LearnerTransport, TransportStats
-from broker.wire import Delta, GlobalFragment, Heartbeat
-from learner.comm import CommThread, DeltaEncoder, OutgoingDelta
+from broker.wire import Delta, Heartbeat
+from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
 from learner.config import ProcessConfig, SyncConfig
 from learner.fragment_sync import FragmentSync, Stamp
 from learner.group import TorchrunGroup
@@ -66,6 +66,9 @@ from learner.join import decode_global, join_snapshot
 from learner.telemetry import LearnerMetrics, ProgressFile
 
 log = logging.getLogger(__name__)
+
+# Queued deltas of a small model cost little: keep at least this many bytes of them.
+MIN_QUEUED_BYTES = 64 * 2**20
 _SETTING_GROUPS = (RunSettings, SyncConfig, ProcessConfig)
 
 
@@ -129,7 +132,6 @@ class DecoupledDiLoCo:
         self.incarnation = max(time.time_ns(), last_incarnation + 1)
         self.step_count = self.start_step
         self.seq = 0
-        self.globals_rejected: Counter[str] = Counter()
         self.metrics = LearnerMetrics(metrics_port if self.group.leader else 0)
         self.syncing = self.run.url != NO_BROKER
         self.transport = transport
@@ -164,6 +166,7 @@ class DecoupledDiLoCo:
                 learner_id=self.learner_id,
                 incarnation=self.incarnation,
                 num_fragments=self.run.fragments,
+                max_message_bytes=self.plan.max_message_bytes,
             )
         arrived: list[tuple[int, Stamp, torch.Tensor]] = []
         if self.transport is not None:
@@ -178,7 +181,15 @@ class DecoupledDiLoCo:
         self._load_optimizer_state()
         if self.transport is not None:
             encoder = DeltaEncoder(self.run.delta_codec, self.sync_cfg.error_feedback)
-            self.comm = CommThread(self.transport, encoder)
+            self.comm = CommThread(
+                self.transport,
+                encoder,
+                check=lambda g: decode_global(g, self.plan),
+                max_queued_bytes=max(
+                    MIN_QUEUED_BYTES,
+                    int(self.sync_cfg.max_queued_models * 4 * self.plan.total_numel),
+                ),
+            )
             self.comm.start()
         self.save_progress()
         log.info(
@@ -256,24 +267,26 @@ class DecoupledDiLoCo:
         self.fragments.apply(p, stamp, flat, self.params, mix_alpha)
         self.metrics.version.labels(str(p)).set(stamp[1])
 
-    def _decode(self, g: GlobalFragment) -> tuple[int, Stamp, torch.Tensor] | None:
-        """Validate a global against this learner's plan; None (and counted) if bad."""
-        decoded = decode_global(g, self.plan)
-        if isinstance(decoded, str):
-            self.globals_rejected[decoded] += 1
-            log.warning("refused global %d v%d: %s", g.fragment, g.version, decoded)
-            return None
-        return decoded
+    @property
+    def globals_rejected(self) -> Counter[str]:
+        """Globals refused by reason (malformed, of another plan)."""
+        return self.comm.globals_rejected if self.comm is not None else Counter()
+
+    def _take_new_globals(self) -> list[Decoded]:
+        """The arrived globals this learner applies: newer than its base, or of a
+        fragment the syncer refused a delta of (its base may be a version the
+        syncer never published: it takes the syncer's global whatever its version).
+        Decided on rank 0 and shared, so every rank applies the same."""
+        arrived, forced = self.comm.take_globals() if self.comm else ([], set())
+        new = [a for a in arrived if a[0] in forced or self.fragments.is_newer(a[0], a[1])]
+        return self.group.share_globals(new, self.plan)
 
     def _apply_arrived(self, step: int) -> None:
-        arrived = [self._decode(g) for g in self.comm.take_globals()] if self.comm else []
-        shared = self.group.share_globals([a for a in arrived if a is not None], self.plan)
-        for p, stamp, flat in shared:
-            if self.fragments.is_newer(p, stamp):
-                if self.fragments.must_flush(p, step):
-                    self._send(p, step)
-                self._apply(p, stamp, flat, self.sync_cfg.mix_alpha)
-                self.metrics.globals_applied.inc()
+        for p, stamp, flat in self._take_new_globals():
+            if self.fragments.must_flush(p, step):
+                self._send(p, step)
+            self._apply(p, stamp, flat, self.sync_cfg.mix_alpha)
+            self.metrics.globals_applied.inc()
 
     def _send(self, p: int, step: int) -> None:
         if not self.fragments.has_progress(p) or not self.group.leader or self.comm is None:
@@ -302,10 +315,8 @@ class DecoupledDiLoCo:
         assert self.comm is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for g in self.comm.take_globals():
-                decoded = self._decode(g)
-                if decoded is not None and self.fragments.is_newer(decoded[0], decoded[1]):
-                    self._apply(*decoded, mix_alpha=self.sync_cfg.mix_alpha)
+            for p_new, stamp, flat in self._take_new_globals():
+                self._apply(p_new, stamp, flat, mix_alpha=self.sync_cfg.mix_alpha)
             if self.fragments.c_steps[p] == 0:
                 return
             time.sleep(0.002)
@@ -348,6 +359,14 @@ class DecoupledDiLoCo:
     def dropped(self) -> int:
         return self.comm.dropped if self.comm is not None else 0
 
+    @property
+    def queued(self) -> tuple[int, int]:
+        """(raw bytes of deltas the comm thread holds, deltas the transport holds
+        unacknowledged): the two queues a network outage fills, each bounded."""
+        if self.comm is None:
+            return 0, 0
+        return self.comm.queued_bytes, self.comm.transport.unacked
+
 
 def load_global_model(
     model: torch.nn.Module, url: str = RunSettings.url, **settings: Any
@@ -364,6 +383,7 @@ def load_global_model(
         learner_id="reader",
         incarnation=time.time_ns(),
         num_fragments=run.fragments,
+        max_message_bytes=plan.max_message_bytes,
     )
     try:
         for p, stamp, flat in join_snapshot(transport, plan, process.join_timeout_s):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from typing import Any
 
@@ -25,6 +26,26 @@ from learner.telemetry import ProgressFile
 from learner.workload import WorkloadContext, load_workload
 
 log = logging.getLogger(__name__)
+
+
+class SlowHardware:
+    """Paces steps as on hardware ``factor`` times slower than this machine at its
+    best: a step lasts at least ``factor`` times the fastest compute seen so far.
+
+    Not ``factor`` times this step's own compute: a process frozen mid-step
+    (SIGSTOP, a paused VM) would then sleep ``factor`` times the freeze. Nor a
+    running mean: a CPU that idled computes the next step slower, so each sleep
+    would lengthen the next one until the pace settles far below the factor.
+    """
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.fastest_s = math.inf
+
+    def rest_s(self, compute_s: float) -> float:
+        """How long to sleep after a step that computed for ``compute_s``."""
+        self.fastest_s = min(self.fastest_s, compute_s)
+        return max(0.0, self.factor * self.fastest_s - compute_s)
 
 
 def lr_at(step: int, train: TrainConfig, steps: int) -> float:
@@ -54,6 +75,8 @@ class Learner:
             )
         )
         self.model = self.workload.model
+        # Set from a signal handler (``docker stop``): end after this step, as at the last one.
+        self.stop_requested = threading.Event()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.train.lr,
@@ -89,7 +112,10 @@ class Learner:
             self.events.write("start", step=sync.start_step)
             log.info("learner %s starts at step %d of %d", cfg.learner_id, sync.start_step, steps)
             window_start, window_steps = time.perf_counter(), 0
+            pace = SlowHardware(cfg.slowdown)
+            last_step = sync.start_step
             for step in range(sync.start_step + 1, steps + 1):
+                last_step = step
                 t0 = time.perf_counter()
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr_at(step - 1, cfg.train, steps)
@@ -102,8 +128,7 @@ class Learner:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
                 self.optimizer.step()
                 compute_s = time.perf_counter() - t0
-                if cfg.slowdown > 1:
-                    time.sleep(compute_s * (cfg.slowdown - 1))  # emulate slower hardware
+                time.sleep(pace.rest_s(compute_s))
                 # Decoupled DiLoCo: take what arrived, send what is due, never wait.
                 sync.step(weight=self.workload.weight(batch))
                 window_steps += 1
@@ -126,16 +151,23 @@ class Learner:
                         bytes_sent=sync.stats.bytes_sent,
                         bytes_received=sync.stats.bytes_received,
                         versions=sync.fragments.versions(),
+                        queued_bytes=sync.queued[0],
+                        unacked=sync.queued[1],
                     )
                     sync.save_progress()
                     window_start, window_steps = time.perf_counter(), 0
                 if cfg.eval.eval_every and step % cfg.eval.eval_every == 0 and step != steps:
                     self._evaluate(step)
-            self.events.write("train_end", step=steps)
-            self._evaluate(steps)
+                if self.group.anyone(self.stop_requested.is_set()):
+                    log.info("learner %s stops at step %d of %d", cfg.learner_id, step, steps)
+                    sync.save_progress()
+                    break
+            self.events.write("train_end", step=last_step)
+            self._evaluate(last_step)
         # Leaving the context sent the remaining progress and stopped the comm thread.
         result = {
-            "steps": steps,
+            "steps": last_step,
+            "stopped_early": last_step < steps,
             "tokens": sync.tokens,
             "final_train_loss": loss_value,
             "bytes_sent": sync.stats.bytes_sent,
@@ -145,6 +177,7 @@ class Learner:
             "ranks": self.group.world,
             "ranks_consistent": self.group.consistent(self.model),
             "globals_rejected": dict(sync.globals_rejected),
+            "deltas_refused": dict(sync.stats.refused),  # by the syncer, by reason
             "steps_per_s_sync_on": sync.steps_per_s(True),
             "steps_per_s_sync_off": sync.steps_per_s(False),
         }

@@ -13,6 +13,9 @@ from broker.settings import RunSettings
 # coordinate_median are robust to a minority of bad learners and ignore weights.
 AGGREGATIONS = ("mean", "radial", "trimmed_mean", "coordinate_median")
 QUARANTINE_ACTIONS = ("clip", "refuse")
+# The boundaries of the delta pipeline (receive -> merge -> checkpoint -> publish
+# -> ack) where a fault test can kill the syncer (SyncerConfig.crash_at).
+CRASH_POINTS = ("after_receive", "after_update", "after_checkpoint", "before_ack")
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,16 @@ class SyncerConfig:
     checkpoint_dir: str = "syncer-checkpoint"
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_file: str | None = None  # JSON lines of rounds and rejections
+    # Without it, a syncer whose checkpoint folder lacks fragments the broker holds
+    # globals of refuses to start: it would throw the run's progress away.
+    new_epoch: bool = False  # start over from the initial model though the broker has globals
+    crash_at: str = ""  # fault tests: SIGKILL this process the first time it reaches this point
 
     def __post_init__(self) -> None:
         check_id("syncer_id", self.syncer_id)
         check_int("metrics_port", self.metrics_port, minimum=0)
+        if self.crash_at:
+            check_choice("crash_at", self.crash_at, CRASH_POINTS)
         if self.owned_fragments is not None:
             require(
                 len(self.owned_fragments) > 0

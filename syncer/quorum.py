@@ -164,6 +164,8 @@ class Roster:
         self.created_at = now
         self.last_heard: dict[str, float] = {}
         self.step_s: dict[str, Ema] = {}
+        self.pace_s: dict[str, Ema] = {}
+        self._pace_from: dict[str, tuple[int, float]] = {}  # (step, time) pace is measured from
 
     def __contains__(self, learner: str) -> bool:
         return learner in self.members
@@ -203,23 +205,44 @@ class Roster:
             self.members.discard(evicted)
             self.last_heard.pop(evicted, None)
             self.step_s.pop(evicted, None)
+            self.pace_s.pop(evicted, None)
+            self._pace_from.pop(evicted, None)
         self.members.add(learner)
         self.last_heard[learner] = now
         return evicted
 
-    def heard(self, learner: str, now: float, step_time_s: float = 0.0) -> bool:
+    def heard(
+        self, learner: str, now: float, step_time_s: float = 0.0, step: int | None = None
+    ) -> bool:
         """A heartbeat; False (and nothing recorded) if ``learner`` is not on the roster.
 
-        ``step_time_s`` is capped at the heartbeat timeout: one stalled step
-        (or a lying peer) must not stretch every grace window past the time a
-        dead learner takes to be noticed.
+        Two step times per learner, each an average capped at the heartbeat
+        timeout (one stalled step, or a lying peer, must not stretch every grace
+        window past the time a dead learner takes to be noticed):
+        ``step_times`` from the step times it reports, for the grace window;
+        ``pace_times`` from the smaller of the reported one and its pace on this
+        clock since an earlier heartbeat (time per step over the interval), for
+        bounding its step counts: one slow step (a collection, a busy core) then
+        does not make an honest learner look slower than it is, and a restart's
+        pause does not either.
         """
         if learner not in self.members:
             return False
         self.last_heard[learner] = now
-        if step_time_s > 0:
-            ema = self.step_s.setdefault(learner, Ema(self.ema_alpha))
-            ema.update(min(step_time_s, self.heartbeat_timeout_s))
+        reported = step_time_s if step_time_s > 0 else None
+        fastest = reported
+        if step is not None:
+            since = self._pace_from.get(learner)
+            if since is None or step <= since[0]:
+                self._pace_from[learner] = (step, now)  # a first heartbeat, or a restart
+            elif now > since[1]:
+                pace = (now - since[1]) / (step - since[0])
+                fastest = pace if fastest is None else min(fastest, pace)
+                self._pace_from[learner] = (step, now)
+        for averages, sample in ((self.step_s, reported), (self.pace_s, fastest)):
+            if sample is not None:
+                ema = averages.setdefault(learner, Ema(self.ema_alpha))
+                ema.update(min(sample, self.heartbeat_timeout_s))
         return True
 
     def live(self, now: float) -> set[str]:
@@ -228,8 +251,12 @@ class Roster:
         return {name for name, t in self.last_heard.items() if now - t <= timeout}
 
     def step_times(self) -> dict[str, float]:
-        """Each member's measured step time, where one is known."""
+        """Each member's reported step time, where one is known."""
         return {name: e.value for name, e in self.step_s.items() if e.value is not None}
+
+    def pace_times(self) -> dict[str, float]:
+        """Each member's fastest credible step time (see :meth:`heard`), where known."""
+        return {name: e.value for name, e in self.pace_s.items() if e.value is not None}
 
     def median_step_s(self) -> float | None:
         """The roster's typical step time (the grace window's xi_step): the median

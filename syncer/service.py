@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
 import signal
 import threading
 import time
@@ -161,7 +162,7 @@ class Syncer:
             trim_per_side=outer.trim_per_side,
         )
         self.states: dict[int, FragmentState] = {}
-        resumed = []
+        resumed, fresh = [], []
         started_s = self.wall_clock()
         # A fragment without a checkpoint starts a new epoch; a resumed one keeps
         # the epoch of its checkpoint, so learners' versions stay comparable.
@@ -174,12 +175,25 @@ class Syncer:
             if saved is not None:
                 state.load(*saved, wall_s=started_s)
                 resumed.append(f"{p}@v{state.version}")
+            else:
+                fresh.append(p)
             self.states[p] = state
         if resumed:
             log.info("resumed fragments from %s: %s", self.checkpoint_dir, ", ".join(resumed))
         self.transport = transport or connect_syncer(
-            run.url, run_id=run.run_id, syncer_id=cfg.syncer_id, fragments=self.owned
+            run.url,
+            run_id=run.run_id,
+            syncer_id=cfg.syncer_id,
+            fragments=self.owned,
+            max_message_bytes=self.plan.max_message_bytes,
         )
+        if fresh and not cfg.new_epoch:
+            self._refuse_to_forget(fresh)
+        # Version 0 is durable before it is published, like every later one: a
+        # syncer killed before its first round comes back in the same epoch
+        # instead of refusing every delta in flight (wrong_epoch).
+        for p in fresh:
+            save_fragment(self.checkpoint_dir, p, *self.states[p].state())
         self.metrics = _Metrics(cfg.metrics_port)
         self.rejected: Counter[str] = Counter()
         self.deltas_applied = 0
@@ -218,6 +232,11 @@ class Syncer:
             },
         )
 
+    def _crash_point(self, point: str) -> None:
+        """Fault tests: die here as a power cut would, with no cleanup at all."""
+        if self.cfg.crash_at == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     # -- events ----------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
         self.events.write(kind, **fields)
@@ -243,6 +262,22 @@ class Syncer:
             self.drain_requested.clear()
             self.drain()
 
+    def _refuse_to_forget(self, fresh: list[int]) -> None:
+        """A syncer without a checkpoint for fragments whose globals the broker
+        holds has lost the run's state: starting over would throw the run's
+        progress away. Only on request (``new_epoch``)."""
+        existing = self.transport.existing_globals(fresh)
+        if existing:
+            self.transport.close()
+            self._lock.close()
+            found = ", ".join(f"{p}@v{v}" for p, (_, v) in sorted(existing.items()))
+            raise RuntimeError(
+                f"run {self.cfg.run.run_id!r} already has globals ({found}) but "
+                f"{self.checkpoint_dir} has no checkpoint of them: point --checkpoint-dir "
+                "at the run's checkpoint, or pass --new-epoch to start over from the "
+                "initial model"
+            )
+
     def handle(self, items: list[Inbound]) -> None:
         """Take in what :meth:`step` received, ack what is done with, close ready rounds."""
         now, wall_s = self.clock(), self.wall_clock()
@@ -252,6 +287,8 @@ class Syncer:
         for item in items:
             if isinstance(item.message, Heartbeat):
                 self._on_heartbeat(item.message, now)
+        if any(isinstance(item.message, Delta) for item in items):
+            self._crash_point("after_receive")
         to_ack = [
             item
             for item in items
@@ -274,7 +311,7 @@ class Syncer:
         self.metrics.bytes_out.set(self.transport.stats.bytes_sent)
 
     def _on_heartbeat(self, hb: Heartbeat, now: float) -> None:
-        if not self.roster.heard(hb.learner_id, now, hb.step_time_s):
+        if not self.roster.heard(hb.learner_id, now, hb.step_time_s, hb.step):
             # Not on the roster: anyone can send a heartbeat under a made-up id.
             self.heartbeats_ignored += 1
             self.metrics.heartbeats_ignored.inc()
@@ -286,7 +323,7 @@ class Syncer:
         self.event("reject", reason=reason, learner=learner, fragment=fragment)
 
     def _credited_step_s(self, learner: str) -> float | None:
-        times = self.roster.step_times()
+        times = self.roster.pace_times()
         return credited_step_s(times.get(learner), list(times.values()))
 
     def _refusal_by_metadata(self, d: Delta, state: FragmentState | None, now: float) -> str | None:
@@ -308,8 +345,8 @@ class Syncer:
         state = self.states.get(d.fragment)
         refusal = self._refusal_by_metadata(d, state, now)
         if refusal is not None or state is None:
-            self._reject(refusal or "not_owned", d.learner_id, d.fragment, d.seq)
-            return True
+            self._refuse(item, refusal or "not_owned")
+            return False
         # What the round keeps until it closes: the ack token, not the payload.
         ref = Inbound(replace(d, payload=b""), item.token)
         status = state.precheck(d, ref)
@@ -317,8 +354,8 @@ class Syncer:
             try:
                 tensor = d.tensor()
             except WireError as e:
-                self._reject(e.reason, d.learner_id, d.fragment, d.seq)
-                return True
+                self._refuse(item, e.reason)
+                return False
             step_s = self._credited_step_s(d.learner_id)
             status = state.offer(d, tensor, ref, now, wall_s=wall_s, step_s=step_s)
         if status in (ACCEPTED, HELD):
@@ -331,8 +368,28 @@ class Syncer:
             self.duplicates += 1
             self.metrics.duplicates.inc()
             return True
-        self._reject(status, d.learner_id, d.fragment, d.seq)
-        return True
+        self._refuse(item, status)
+        return False
+
+    def _refuse(self, item: Inbound, reason: str) -> None:
+        """Count and log a refused delta, and answer its learner "refused, resync"
+        (never a silent acknowledgement)."""
+        d = item.message
+        assert isinstance(d, Delta)
+        self._reject(reason, d.learner_id, d.fragment, d.seq)
+        self.transport.refuse(item, reason)
+
+    def _answer_round(self, refs: list[Inbound], refused: list[tuple[str, int, int]]) -> None:
+        """Acknowledge a closed round's deltas, except those its quarantine refused."""
+        keys = set(refused)
+        to_ack = []
+        for ref in refs:
+            d = ref.message
+            if isinstance(d, Delta) and (d.learner_id, d.incarnation, d.seq) in keys:
+                self.transport.refuse(ref, QUARANTINED)
+            else:
+                to_ack.append(ref)
+        self.transport.ack(to_ack)
 
     def close_round(self, p: int) -> None:
         state = self.states[p]
@@ -346,20 +403,22 @@ class Syncer:
         except RoundOverflow as e:
             log.error("%s: refusing its %d deltas", e, len(e.refs))
             for ref in e.refs:
-                self._reject("overflow", ref.message.learner_id, p, ref.message.seq)
-            self.transport.ack(e.refs)
+                self._refuse(ref, "overflow")
             state.round_done(0.0)
             return
+        self._crash_point("after_update")
         for learner, _, seq in result.refused:
             self._reject(QUARANTINED, learner, p, seq)
         if not result.published:  # quarantine refused every delta: nothing changed
-            self.transport.ack(result.refs)
+            self._answer_round(result.refs, result.refused)
             state.round_done(0.0)
             return
         tensors, meta = state.state()
         save_fragment(self.checkpoint_dir, p, tensors, meta)  # durable before anything leaves
+        self._crash_point("after_checkpoint")
         self._publish(p)
-        self.transport.ack(result.refs)
+        self._crash_point("before_ack")
+        self._answer_round(result.refs, result.refused)
         sync_s = self.clock() - started
         state.round_done(sync_s)
         self.rounds += 1
@@ -454,6 +513,7 @@ class Syncer:
             "deltas_rejected": sum(by_reason.values()),
             "rejected_by_reason": by_reason,
             "duplicates": self.duplicates,
+            "snapshot_requests_rate_limited": stats.rate_limited,
             "deltas_clipped": self.deltas_clipped,
             "weights_clipped": self.weights_clipped,
             "heartbeats_ignored": self.heartbeats_ignored,

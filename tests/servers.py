@@ -110,3 +110,12 @@ class RedisServer:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def take_globals(transport, timeout_s: float) -> list:
+    """Poll a learner transport and accept every global, as a learner does once it
+    has validated them (so that later versions compare with these)."""
+    found = transport.poll(timeout_s)
+    for g in found:
+        transport.accepted(g)
+    return found

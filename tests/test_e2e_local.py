@@ -125,7 +125,7 @@ def test_killed_learner_restarts_and_rejoins_without_stopping_the_others(
     tmp_path: Path, transport: list[str]
 ) -> None:
     summary, events = run_local(
-        tmp_path / "run", "--steps", "200", "--kill-learner-at-s", "25", *transport
+        tmp_path / "run", "--steps", "400", "--kill-learner-at-s", "25", *transport
     )
     assert summary["learner_kills"] == 1 and summary["learner_restarts"] == 1
     assert summary["uptime"] == 1.0  # the others kept training

@@ -72,4 +72,36 @@ def test_ddiloco_local_trains_a_user_workload(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_eval_loss"] < 0.25 * summary["initial_eval_loss"], summary
-    assert summary["deltas_applied"] >= 10 and summary["deltas_rejected"] == 0
+    assert summary["deltas_applied"] >= 10
+    # Only staleness may refuse a delta in a healthy run (a learner slowed by a
+    # loaded machine), and rarely.
+    assert set(summary["rejected_by_reason"]) <= {"stale"}
+    assert summary["deltas_rejected"] <= 0.1 * summary["deltas_applied"]
+
+
+@pytest.mark.timeout(300)
+def test_ddiloco_local_starts_from_the_initial_model_it_is_given(tmp_path: Path) -> None:
+    """`ddiloco local --initial-model FILE` trains from FILE (a `ddiloco init` output
+    or a pretrained model) instead of writing a fresh one over it."""
+    initial = tmp_path / "given.safetensors"
+    common = ["--workload", "tests.workloads:regression", "--fragments", "2",
+              "--sync-every", "8", "--initial-model", str(initial)]  # fmt: skip
+    cli = [sys.executable, "-m", "compose.cli"]
+    init = subprocess.run([*cli, "init", *common], cwd=ROOT, capture_output=True, text=True)
+    assert init.returncode == 0, init.stderr[-3000:]
+    written = initial.stat().st_mtime_ns
+    out = tmp_path / "run"
+    local = [*cli, "local", *common, "--learners", "2", "--steps", "16", "--no-progress"]
+    proc = subprocess.run([*local, "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert initial.stat().st_mtime_ns == written  # used, not overwritten
+    assert not (out / "initial-model.safetensors").exists()
+    started = json.loads((out / "launcher.jsonl").read_text().splitlines()[0])
+    assert started["config"]["initial_model"] == str(initial)
+    # A file that is not there: one clear line, before anything starts.
+    elsewhere = [str(tmp_path / "nope.safetensors") if a == str(initial) else a for a in local]
+    missing = subprocess.run(
+        [*elsewhere, "--out", str(tmp_path / "run2")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert missing.returncode != 0
+    assert "no such file; write it with `ddiloco init`" in missing.stderr

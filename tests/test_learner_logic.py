@@ -17,11 +17,13 @@ from broker.codecs import Codec
 from broker.fragments import FragmentPlan, ParamSpec
 from broker.transport import LearnerTransport, TransportStats
 from broker.wire import Delta, GlobalFragment, Heartbeat
-from learner.comm import CommThread, DeltaEncoder, OutgoingDelta
+from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
 from learner.config import WorkloadConfig
 from learner.fragment_sync import FragmentSync
+from learner.join import decode_global
 from learner.library import DecoupledDiLoCo
 from learner.model import ModelConfig
+from learner.worker import SlowHardware
 from learner.workload import WorkloadContext, load_workload
 
 torch.set_num_threads(1)
@@ -152,6 +154,8 @@ class InMemoryTransport(LearnerTransport):
         self.stats = TransportStats()
         self.latest: dict[int, GlobalFragment] = {}
         self.deltas: list[Delta] = []
+        self.polled: list[GlobalFragment] = []  # what the next poll() returns
+        self.accepted_versions: list[int] = []
 
     def send_delta(self, delta: Delta) -> None:
         self.deltas.append(delta)
@@ -160,7 +164,14 @@ class InMemoryTransport(LearnerTransport):
         pass
 
     def poll(self, timeout_s: float) -> list[GlobalFragment]:
-        return []
+        polled, self.polled = self.polled, []
+        return polled
+
+    def accepted(self, fragment: GlobalFragment) -> None:
+        self.accepted_versions.append(fragment.version)
+
+    def refused_fragments(self) -> set[int]:
+        return set()
 
     def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
         return {p: self.latest[p] for p in fragments if p in self.latest}
@@ -187,6 +198,25 @@ def make_learner() -> tuple[DecoupledDiLoCo, InMemoryTransport]:
     return learner, transport
 
 
+def unstarted_comm(learner: DecoupledDiLoCo, transport: InMemoryTransport) -> CommThread:
+    """Swap the learner's comm thread for one that is not running: the test takes
+    the deltas from its queue and puts arrived globals in by hand."""
+    assert learner.comm is not None
+    learner.comm.stop(flush_timeout_s=0.0)
+    return CommThread(
+        transport,
+        DeltaEncoder(Codec(), error_feedback=False),
+        check=lambda g: decode_global(g, learner.plan),
+        max_queued_bytes=2**30,
+    )
+
+
+def decoded(learner: DecoupledDiLoCo, g: GlobalFragment) -> Decoded:
+    result = decode_global(g, learner.plan)
+    assert not isinstance(result, str)
+    return result
+
+
 def global_of(learner: DecoupledDiLoCo, p: int, version: int, flat: torch.Tensor) -> GlobalFragment:
     return GlobalFragment(
         run_id="unit",
@@ -203,7 +233,7 @@ def test_a_global_that_would_erase_unsent_progress_is_flushed_first() -> None:
     learner, transport = make_learner()
     learner.join()
     # The comm thread is not started: the test takes the deltas from its queue.
-    learner.comm = CommThread(transport, DeltaEncoder(Codec(), error_feedback=False))
+    learner.comm = unstarted_comm(learner, transport)
     with torch.no_grad():
         for param in learner.model.parameters():
             param.add_(0.01)  # as if five steps had trained
@@ -211,7 +241,7 @@ def test_a_global_that_would_erase_unsent_progress_is_flushed_first() -> None:
         learner.fragments.trained(32)  # as sync.step(weight=32) would count
     before = learner.plan.flatten(learner.params, 0)
     new = torch.full((learner.plan.fragment_numel(0),), 0.5)
-    learner.comm._arrived[0] = global_of(learner, 0, 1, new)
+    learner.comm._arrived[0] = decoded(learner, global_of(learner, 0, 1, new))
 
     learner._apply_arrived(step=5)
 
@@ -228,24 +258,39 @@ def test_a_global_that_would_erase_unsent_progress_is_flushed_first() -> None:
 def test_globals_are_applied_only_between_steps_and_only_when_newer() -> None:
     learner, transport = make_learner()
     learner.join()
-    learner.comm = CommThread(transport, DeltaEncoder(Codec(), error_feedback=False))
+    learner.comm = unstarted_comm(learner, transport)
     new = torch.full((learner.plan.fragment_numel(1),), 0.25)
-    learner.comm._arrived[1] = global_of(learner, 1, 3, new)
+    learner.comm._arrived[1] = decoded(learner, global_of(learner, 1, 3, new))
     # Arrived, but nothing changes until the loop reaches its step boundary.
     assert not torch.equal(learner.plan.flatten(learner.params, 1), new)
     learner._apply_arrived(step=1)
     assert torch.equal(learner.plan.flatten(learner.params, 1), new)
     # An older or equal version never goes back in time.
-    learner.comm._arrived[1] = global_of(learner, 1, 2, torch.zeros_like(new))
+    learner.comm._arrived[1] = decoded(learner, global_of(learner, 1, 2, torch.zeros_like(new)))
     learner._apply_arrived(step=2)
     assert torch.equal(learner.plan.flatten(learner.params, 1), new)
     assert learner.fragments.base_version[1] == 3
-    # A global of another plan is refused and counted, never applied.
-    wrong = global_of(learner, 1, 9, torch.zeros_like(new))
-    learner.comm._arrived[1] = GlobalFragment(**{**wrong.__dict__, "plan_hash": "0" * 16})
-    learner._apply_arrived(step=3)
-    assert learner.globals_rejected == {"wrong_plan": 1}
-    assert learner.fragments.base_version[1] == 3
+
+
+def test_the_comm_thread_accepts_only_globals_that_fit_the_plan() -> None:
+    """A malformed global is counted and never reaches the transport's version
+    record: it cannot make the transport drop the real globals that follow."""
+    learner, transport = make_learner()
+    learner.join()
+    comm = unstarted_comm(learner, transport)
+    numel = learner.plan.fragment_numel(1)
+    good = global_of(learner, 1, 4, torch.full((numel,), 0.5))
+    wrong_plan = GlobalFragment(**{**global_of(learner, 1, 99, torch.zeros(numel)).__dict__,
+                                   "plan_hash": "0" * 16})  # fmt: skip
+    nan = global_of(learner, 1, 98, torch.full((numel,), float("nan")))
+    transport.polled = [good, wrong_plan, nan]
+    transport.accepted_versions.clear()  # joining accepted the snapshot
+    comm._pump()
+    assert comm.globals_rejected == {"wrong_plan": 1, "non_finite": 1}
+    assert transport.accepted_versions == [4]
+    [(p, stamp, flat)], forced = comm.take_globals()
+    assert forced == set()
+    assert (p, stamp) == (1, (0, 4)) and torch.equal(flat, torch.full((numel,), 0.5))
 
 
 def test_joining_without_loading_keeps_the_weights_and_measures_progress_from_them() -> None:
@@ -266,3 +311,14 @@ def test_joining_without_loading_keeps_the_weights_and_measures_progress_from_th
         assert learner.fragments.versions() == [7, 7]  # and are rebased onto the run's version
     finally:
         learner.close()
+
+
+def test_slow_hardware_paces_by_the_fastest_compute_so_a_freeze_is_not_multiplied() -> None:
+    pace = SlowHardware(factor=20)
+    assert pace.rest_s(0.010) == pytest.approx(0.190)  # the step lasts 20 x 10 ms
+    # A process frozen 30 s mid-step: it goes on at once, not after 19 x 30 s.
+    assert pace.rest_s(30.0) == 0.0
+    # A CPU woken from the sleep computes slower: the next sleep does not grow.
+    assert pace.rest_s(0.050) == pytest.approx(0.150)
+    assert pace.rest_s(0.005) == pytest.approx(0.095)  # a faster machine state sets the pace
+    assert SlowHardware(factor=1).rest_s(0.010) == 0.0

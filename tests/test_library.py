@@ -13,12 +13,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -27,12 +29,14 @@ from torch.nn.parallel import DistributedDataParallel
 from broker.codecs import Codec
 from broker.fragments import FragmentPlan, synced_parameters
 from broker.initial_model import write_initial_model
+from broker.redis_common import FIELD, globals_stream_key, model_key
 from broker.settings import RunSettings
+from broker.wire import GlobalFragment, encode
 from compose.processes import free_port_pair
 from learner.library import DecoupledDiLoCo, load_global_model
 from syncer.config import OuterConfig, SyncerConfig
 from syncer.service import Syncer
-from tests.servers import free_port, wait_until
+from tests.servers import RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
@@ -356,3 +360,63 @@ def test_a_syncer_that_lost_its_checkpoint_cannot_lock_learners_out(tmp_path: Pa
         wait_until(learning_again, 60, what="the new syncer to merge the learner's deltas")
         assert all(sync.fragments.base_epoch[p] == epoch for p in range(2))
         sync.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_global_forged_into_redis_with_a_huge_version_locks_no_learner_out(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Attack: anyone who can write to Redis puts a well-formed global of version
+    2^62 into the globals stream and the snapshot key. The learner takes it
+    (telling it from a real one needs authentication), but the syncer refuses the
+    deltas based on it ("future_version") and says so: the learner takes the
+    syncer's real global whatever its version (the syncer republishes an idle
+    fragment every heartbeat timeout), and its deltas count again."""
+    model = make_model()
+    gen = torch.Generator().manual_seed(1)
+
+    def one_step() -> None:
+        x, y = batch(gen)
+        nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-1e-2)
+                    p.grad = None
+        sync.step(weight=len(x))
+        time.sleep(0.03)  # a step of a real model takes a while
+
+    with running_syncer(tmp_path, model, learners=1, quorum=1, url=redis_server.url) as (
+        syncer,
+        url,
+    ):
+        with DecoupledDiLoCo(model, url, learner_id="l0", learners=1, **SETTINGS) as sync:
+            for _ in range(12):
+                one_step()
+            wait_until(lambda: sync.comm is not None and sync.comm.pending == 0, 10)
+            wait_until(lambda: not any(s.pending_learners for s in syncer.states.values()), 10)
+            flat = sync.plan.flatten(sync.params, 0)
+            forged = GlobalFragment(
+                run_id="lib", fragment=0, plan_hash=sync.plan.plan_hash,
+                epoch=syncer.states[0].epoch, version=2**62, codec=Codec(),
+                numel=flat.numel(), payload=Codec().encode(flat),
+            )  # fmt: skip
+            client = redis.Redis.from_url(url)
+            client.set(model_key("lib", 0), encode(forged))
+            client.xadd(globals_stream_key("lib"), {FIELD: encode(forged)})
+            client.close()
+            assert sync.comm is not None
+            arrived = sync.comm._arrived
+            wait_until(lambda: 0 in arrived and arrived[0][1][1] == 2**62, 10, what="the forgery")
+            one_step()
+            assert sync.fragments.base_version[0] == 2**62  # taken: it is well-formed
+            version_then = syncer.states[0].version
+
+            def recovered() -> bool:
+                one_step()
+                real = sync.fragments.base_version[0] <= syncer.states[0].version
+                return real and syncer.states[0].version > version_then
+
+            wait_until(recovered, 60, interval_s=0, what="the learner to count again")
+        assert sync.stats.refused["future_version"] >= 1
+        assert syncer.rejected["future_version"] >= 1

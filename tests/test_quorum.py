@@ -251,3 +251,16 @@ def test_fake_heartbeats_neither_hold_a_round_open_nor_make_a_quorum() -> None:
         two.heard("a", now)
         two.heard("b", now)
         assert not r.should_close(now, two.live(now), two.median_step_s(), len(two))
+
+
+def test_pace_time_is_the_smaller_of_the_reported_one_and_the_pace() -> None:
+    roster = Roster(4, TIMEOUT, 0.0, members={"a"})
+    # Reports its last step took 0.5 s (a slow one), but trains 10 steps a second.
+    for i in range(60):
+        roster.heard("a", now=float(i), step_time_s=0.5, step=10 * i)
+    assert roster.pace_times()["a"] == pytest.approx(0.1, rel=0.05)
+    assert roster.step_times()["a"] == pytest.approx(0.5)  # the grace window's: as reported
+    # A restart: the step count goes back; the pause is no pace sample.
+    roster.heard("a", now=30.0, step_time_s=0.1, step=5)
+    roster.heard("a", now=60.0, step_time_s=0.1, step=6)  # 30 s for one step: the report wins
+    assert roster.pace_times()["a"] == pytest.approx(0.1, rel=0.05)

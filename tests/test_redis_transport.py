@@ -31,7 +31,7 @@ from broker.redis_learner import RedisLearnerTransport
 from broker.redis_syncer import RedisSyncerTransport
 from broker.transport import Backpressure, Inbound, TransportError
 from broker.wire import Delta, GlobalFragment, Heartbeat, decode, encode
-from tests.servers import RedisServer, wait_until
+from tests.servers import RedisServer, take_globals, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -102,7 +102,7 @@ def run_learners(
     """One thread and one transport per learner; delta seq s goes to fragment s % P."""
     pool = ThreadPoolExecutor(len(counts))
     transports = {
-        name: RedisLearnerTransport(url, RUN, name, num_fragments, max_unacked=16)
+        name: RedisLearnerTransport(url, RUN, name, 0, num_fragments, max_unacked=16)
         for name in counts
     }
 
@@ -219,7 +219,7 @@ def poll_until(
     got: list[GlobalFragment] = []
 
     def enough() -> bool:
-        got.extend(learner.poll(0.1))
+        got.extend(take_globals(learner, 0.1))
         return len(got) >= count
 
     wait_until(enough, timeout_s, interval_s=0, what=f"{count} globals")
@@ -337,7 +337,7 @@ def test_outage_queues_deltas_and_globals_then_backpressure_then_delivers(
     redis_server: RedisServer,
 ) -> None:
     url = redis_server.url
-    learner = RedisLearnerTransport(url, RUN, "learner-0", num_fragments=2, max_unacked=8)
+    learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=2, max_unacked=8)
     syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1])
     assert learner.snapshot([0, 1], timeout_s=5) == {}
     redis_server.kill()
@@ -347,7 +347,7 @@ def test_outage_queues_deltas_and_globals_then_backpressure_then_delivers(
     with pytest.raises(Backpressure):
         learner.send_delta(make_delta("learner-0", 8, 0))
     learner.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0"))
-    assert learner.poll(0.3) == [] and learner.unacked == 8
+    assert take_globals(learner, 0.3) == [] and learner.unacked == 8
     assert syncer.receive(0.3) == []
     syncer.publish(make_global(0, 1))  # kept until redis is back
     assert learner.connection_errors > 0 and syncer.connection_errors > 0
@@ -369,7 +369,7 @@ def test_outage_queues_deltas_and_globals_then_backpressure_then_delivers(
 @pytest.mark.timeout(60)
 def test_second_consumer_claims_pending_entries_of_a_dead_one(redis_server: RedisServer) -> None:
     url = redis_server.url
-    learner = RedisLearnerTransport(url, RUN, "learner-0", num_fragments=2)
+    learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=2)
     sent = [make_delta("learner-0", s, s % 2) for s in range(300)]
     send_all(learner, sent)
 
@@ -406,7 +406,7 @@ def test_second_consumer_claims_pending_entries_of_a_dead_one(redis_server: Redi
 @pytest.mark.timeout(30)
 def test_restarted_consumer_reads_its_own_pending_entries_first(redis_server: RedisServer) -> None:
     url = redis_server.url
-    learner = RedisLearnerTransport(url, RUN, "learner-0", num_fragments=1)
+    learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=1)
     send_all(learner, [make_delta("learner-0", s, 0) for s in range(10)])
     before = RedisSyncerTransport(url, RUN, "syncer-0", [0], claim_idle_s=60)
     got = receive_until(before, 10)
@@ -429,7 +429,7 @@ def test_restarted_consumer_reads_its_own_pending_entries_first(redis_server: Re
 @pytest.mark.timeout(30)
 def test_syncer_recreates_its_group_when_the_streams_vanish(redis_server: RedisServer) -> None:
     url = redis_server.url
-    learner = RedisLearnerTransport(url, RUN, "learner-0", num_fragments=1)
+    learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=1)
     syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0])
     send_all(learner, [make_delta("learner-0", 0, 0)])
     syncer.ack(receive_until(syncer, 1))
@@ -452,7 +452,7 @@ def test_late_joiner_snapshot_then_poll_gets_exactly_the_later_versions(
         for p in (0, 1, 2):
             syncer.publish(make_global(p, version))
 
-    joiner = RedisLearnerTransport(url, RUN, "late", num_fragments=4)
+    joiner = RedisLearnerTransport(url, RUN, "late", 0, num_fragments=4)
     snap = joiner.snapshot([0, 1, 2, 3], timeout_s=5)
     assert sorted((p, g.version) for p, g in snap.items()) == [(0, 3), (1, 3), (2, 3)]
     assert torch.equal(snap[1].tensor(), torch.full((4,), 3.0))
@@ -461,13 +461,14 @@ def test_late_joiner_snapshot_then_poll_gets_exactly_the_later_versions(
     for p, version in later:
         syncer.publish(make_global(p, version))
     # Fragment 3 did not exist at the snapshot, so its version 0 is the next one.
-    assert versions_of(poll_until(joiner, len(later))) == later
-    assert joiner.poll(0.2) == []
+    # (A poll hands each fragment's candidates over oldest first.)
+    assert sorted(versions_of(poll_until(joiner, len(later)))) == sorted(later)
+    assert take_globals(joiner, 0.2) == []
     assert joiner.stats.rejected == Counter()
 
     # A learner that never took a snapshot starts from the latest of each fragment.
-    fresh = RedisLearnerTransport(url, RUN, "fresh", num_fragments=4)
-    assert versions_of(fresh.poll(1.0)) == [(0, 4), (1, 5), (2, 4), (3, 1)]
+    fresh = RedisLearnerTransport(url, RUN, "fresh", 0, num_fragments=4)
+    assert versions_of(take_globals(fresh, 1.0)) == [(0, 4), (1, 5), (2, 4), (3, 1)]
     syncer.publish(make_global(2, 5))
     assert versions_of(poll_until(fresh, 1)) == [(2, 5)]
     for t in (joiner, fresh, syncer):
@@ -482,7 +483,7 @@ def test_learner_resyncs_after_globals_trimmed_past_it_or_a_missing_version(
     syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1], globals_maxlen=3)
     syncer.publish(make_global(0, 1))
     syncer.publish(make_global(1, 1))
-    learner = RedisLearnerTransport(url, RUN, "slow", num_fragments=2)
+    learner = RedisLearnerTransport(url, RUN, "slow", 0, num_fragments=2)
     assert {p: g.version for p, g in learner.snapshot([0, 1], 5).items()} == {0: 1, 1: 1}
 
     # Fragment 1's only new version is trimmed away before the learner reads:
@@ -493,7 +494,7 @@ def test_learner_resyncs_after_globals_trimmed_past_it_or_a_missing_version(
     client = redis.Redis.from_url(url)
     assert client.xlen(globals_stream_key(RUN)) == 3
     assert versions_of(poll_until(learner, 2)) == [(0, 8), (1, 2)]
-    assert learner.poll(0.2) == []
+    assert take_globals(learner, 0.2) == []
 
     # A version missing from the stream (deleted here) is a gap: the learner
     # takes the snapshot key, which already holds the newest version.
@@ -503,7 +504,7 @@ def test_learner_resyncs_after_globals_trimmed_past_it_or_a_missing_version(
     v9_id = stream_ids(client, globals_stream_key(RUN))[-3]
     client.xdel(globals_stream_key(RUN), v9_id)
     assert versions_of(poll_until(learner, 1)) == [(0, 11)]
-    assert learner.poll(0.2) == []
+    assert take_globals(learner, 0.2) == []
     for t in (learner, syncer, roomy):
         t.close()
 
@@ -544,7 +545,7 @@ def test_syncer_rejects_counts_and_acks_bad_entries_and_keeps_going(
     doomed_frame = encode(make_delta("learner-0", 3, 0))
     doomed_id = cast(bytes, client.xadd(stream, {FIELD: doomed_frame})).decode()
     # ... and a heartbeat hash with one good and one garbage value.
-    beating = RedisLearnerTransport(url, RUN, "learner-0", num_fragments=2)
+    beating = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=2)
     beating.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0", step=1))
     client.hset(learners_key(RUN), "intruder", b"garbage garbage garbage garbage")
 
@@ -609,8 +610,10 @@ def test_learner_rejects_bad_globals_and_keeps_reading(redis_server: RedisServer
     client = redis.Redis.from_url(url)
     syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0])
     syncer.publish(make_global(0, 1))
-    learner = RedisLearnerTransport(url, RUN, "learner-0", num_fragments=2, max_message_bytes=4096)
-    assert versions_of(learner.poll(1.0)) == [(0, 1)]
+    learner = RedisLearnerTransport(
+        url, RUN, "learner-0", 0, num_fragments=2, max_message_bytes=4096
+    )
+    assert versions_of(take_globals(learner, 1.0)) == [(0, 1)]
     client.xadd(globals_stream_key(RUN), {FIELD: b"\x00" * 64})
     client.xadd(globals_stream_key(RUN), {FIELD: encode(make_delta("learner-0", 0, 0))})
     client.xadd(globals_stream_key(RUN), {FIELD: encode(make_global(5, 1))})  # no fragment 5
@@ -628,7 +631,7 @@ def test_delta_streams_stay_bounded_and_trimming_keeps_unacked_entries(
 ) -> None:
     url = redis_server.url
     client = redis.Redis.from_url(url)
-    learner = RedisLearnerTransport(url, RUN, "learner-0", num_fragments=2)
+    learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=2)
     syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1])
     send_all(learner, [make_delta("learner-0", s, s % 2) for s in range(400)])
     got = receive_until(syncer, 400)

@@ -27,7 +27,7 @@ from learner.workload import write_initial
 from syncer.checkpoint import fragment_path
 from syncer.config import OuterConfig, SyncerConfig
 from syncer.service import Syncer
-from tests.servers import free_port, wait_until
+from tests.servers import RedisServer, free_port, take_globals, wait_until
 
 pytestmark = pytest.mark.integration
 TINY = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)
@@ -41,13 +41,14 @@ def make_syncer(
     learners: int = 2,
     clocks: tuple[Callable[[], float], Callable[[], float]] | None = None,
     outer: dict[str, Any] | None = None,
+    url: str | None = None,
     **overrides: object,
 ) -> Syncer:
     """A syncer started from an initial model file, as `ddiloco init` writes it;
     ``clocks``: (monotonic, wall) to pass in instead of the real ones."""
     run = RunSettings(
         run_id="svc",
-        url=f"zmq://127.0.0.1:{port}",
+        url=url or f"zmq://127.0.0.1:{port}",
         learners=learners,
         quorum=quorum,
         fragments=2,
@@ -125,7 +126,7 @@ def test_round_checkpoint_publish_ack_and_exactly_once_across_restart(tmp_path: 
 
         def published() -> bool:
             syncer.step()
-            new.extend(a.poll(0.01))
+            new.extend(take_globals(a, 0.01))
             b.poll(0.01)
             return any(g.version == 1 for g in new) and a.unacked == 0 and b.unacked == 0
 
@@ -306,3 +307,24 @@ def test_two_syncers_cannot_share_a_checkpoint_folder(tmp_path: Path) -> None:
         first.shutdown()
     second = make_syncer(tmp_path, free_port_pair())  # free again once the first is gone
     second.shutdown()
+
+
+def test_a_syncer_without_its_checkpoint_refuses_to_throw_a_run_away(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Attack (or accident): a syncer restarted on an empty checkpoint folder used to
+    start over at version 0 while the run's globals sat in Redis. Now it refuses,
+    unless told to start a new epoch; its own folder resumes the same epoch."""
+    first = make_syncer(tmp_path, 0, url=redis_server.url)
+    epoch = first.states[0].epoch
+    first.shutdown()
+    with pytest.raises(RuntimeError, match="already has globals"):
+        make_syncer(tmp_path, 0, url=redis_server.url, checkpoint_dir=str(tmp_path / "empty"))
+    again = make_syncer(tmp_path, 0, url=redis_server.url)  # its own folder: same epoch
+    assert again.states[0].epoch == epoch
+    again.shutdown()
+    told = make_syncer(
+        tmp_path, 0, url=redis_server.url, checkpoint_dir=str(tmp_path / "empty"), new_epoch=True
+    )
+    assert told.states[0].epoch != epoch
+    told.shutdown()

@@ -26,6 +26,7 @@ from broker.wire import (
     GlobalFragment,
     Heartbeat,
     Message,
+    Refusal,
     SnapshotRequest,
     WireError,
 )
@@ -90,6 +91,7 @@ def messages() -> list[Message]:
         Ack(run_id="r", learner_id="l", incarnation=1, seqs=[]),
         SnapshotRequest(run_id="r", learner_id="l", fragments=[0, 2]),
         SnapshotRequest(run_id="r", learner_id="l", fragments=[]),
+        Refusal(run_id="r", learner_id="l", incarnation=1, seq=4, fragment=1, reason="stale"),
     ]
 
 
@@ -400,3 +402,11 @@ def test_valid_checksum_mutated_header_bytes(data: st.DataObject) -> None:
     cut = data.draw(st.integers(0, len(head)))
     assert_decodes_or_wire_error(raw_frame(bytes(head), p))
     assert_decodes_or_wire_error(raw_frame(bytes(head[:cut]), p))
+
+
+def test_a_refusal_reason_is_a_short_name() -> None:
+    good = Refusal(run_id="r", learner_id="l", incarnation=1, seq=4, fragment=1, reason="stale")
+    assert wire.decode(wire.encode(good)) == good
+    h, _ = header_of(good)
+    for bad in ("", "x" * 33, "Stale", "a b", 3, None):
+        assert reason(frame({**h, "reason": bad})) == "bad_field", bad

@@ -1,0 +1,417 @@
+"""Fault tests of the syncer as a real process: SIGKILL at each boundary of its
+delta pipeline (receive -> merge -> checkpoint -> publish -> ack), over real
+ZeroMQ sockets and a real Redis with AOF.
+
+The test process plays two learners with real transports (heartbeats, resends
+of what is unacked): each sends a delta of each fragment whenever that
+fragment has moved since its last one, ROUNDS deltas in all, and at the end
+the syncer is told to drain (SIGUSR1, as ``ddiloco local`` does). Then every
+delta must be acknowledged and in exactly one round: the syncer's event log
+(both processes append to it) names each round's deltas, and only the round
+the kill interrupted after its checkpoint is missing from it; the
+checkpoint's versions count the rounds, so a round merged again would show.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from broker.codecs import Codec
+from broker.connect import connect_learner
+from broker.settings import RunSettings
+from broker.transport import LearnerTransport
+from broker.wire import Delta, GlobalFragment, Heartbeat
+from compose.processes import free_port_pair
+from learner.config import WorkloadConfig
+from learner.library import MIN_QUEUED_BYTES
+from learner.model import ModelConfig
+from learner.workload import write_initial
+from syncer.checkpoint import load_fragment
+from syncer.config import CRASH_POINTS, SyncerConfig
+from tests.servers import RedisServer, wait_until
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)
+FRAGMENTS = 2
+ROUNDS = 3  # deltas per learner and fragment; the kill comes in the first round
+SHIFTS = {"a": 0.01, "b": 0.03}  # what each learner moves every weight by, per delta
+
+
+def run_flags(url: str, initial_model: Path) -> list[str]:
+    """The settings syncer and learners share (``ddiloco syncer`` and ``ddiloco learner``)."""
+    return [
+        "--run-id",
+        "faults",
+        "--url",
+        url,
+        "--learners",
+        "2",
+        "--quorum",
+        "2",
+        "--fragments",
+        str(FRAGMENTS),
+        "--sync-every",
+        "2",
+        "--overlap",
+        "1",
+        # Liveness and idle republishing within a second: a restart is seen soon.
+        "--heartbeat-timeout-s",
+        "1",
+        "--initial-model",
+        str(initial_model),
+    ]
+
+
+class SyncerProcess:
+    """``ddiloco syncer`` as a child process on one checkpoint folder."""
+
+    def __init__(self, tmp_path: Path, url: str) -> None:
+        self.tmp_path = tmp_path
+        self.url = url
+        self.checkpoint_dir = tmp_path / "ck"
+        self.events_path = tmp_path / "events.jsonl"
+        self.initial_model = tmp_path / "initial.safetensors"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = open(tmp_path / "syncer.log", "ab")  # noqa: SIM115 (closed in stop())
+
+    def start(self, *extra: str) -> None:
+        args = [
+            sys.executable,
+            "-m",
+            "compose.cli",
+            "syncer",
+            *run_flags(self.url, self.initial_model),
+            "--grace-gamma",
+            "0",
+            "--outer-lr",
+            "1",
+            "--outer-momentum",
+            "0",
+            "--checkpoint-dir",
+            str(self.checkpoint_dir),
+            "--metrics-file",
+            str(self.events_path),
+            *extra,
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=self.log, env=env)
+
+    def returncode(self) -> int | None:
+        assert self.proc is not None
+        return self.proc.poll()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.events_path.read_text().splitlines()]
+
+
+def applied_keys(events: list[dict[str, Any]]) -> Counter[tuple[str, int, int]]:
+    """How often each (learner, incarnation, seq) was merged into a global."""
+    return Counter(tuple(k) for e in events if e["event"] == "round" for k in e["keys"])
+
+
+@pytest.fixture(params=["zmq", "redis"])
+def broker_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "zmq":
+        # Resend after half a second: the restarted syncer gets the unacked deltas soon.
+        yield f"zmq://127.0.0.1:{free_port_pair()}?ack_timeout_s=0.5"
+        return
+    server = RedisServer(tmp_path / "redis")  # AOF, appendfsync always
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def delta_on(g: GlobalFragment, learner: str, seq: int) -> Delta:
+    """Learner ``learner``'s delta on global ``g``: every weight moved by its shift."""
+    return Delta(
+        run_id="faults",
+        learner_id=learner,
+        incarnation=1,
+        seq=seq,
+        fragment=g.fragment,
+        plan_hash=g.plan_hash,
+        base_epoch=g.epoch,
+        base_version=g.version,
+        step=2 * seq,
+        c_steps=2,
+        c_tokens=100,
+        sent_at=time.time(),
+        codec=Codec("fp32"),
+        numel=g.numel,
+        payload=Codec("fp32").encode(torch.full((g.numel,), SHIFTS[learner])),
+    )
+
+
+def write_initial_model(tmp_path: Path) -> None:
+    """The initial model of the run both fault tests drive."""
+    run = RunSettings(
+        run_id="faults",
+        learners=2,
+        fragments=FRAGMENTS,
+        sync_every=2,
+        overlap=1,
+        initial_model=str(tmp_path / "initial.safetensors"),
+    )
+    write_initial(run, WorkloadConfig(model=TINY))
+
+
+def test_crash_at_names_a_pipeline_boundary() -> None:
+    assert SyncerConfig(crash_at="before_ack").crash_at == "before_ack"
+    with pytest.raises(ValueError, match="crash_at='after_merge': choose one of"):
+        SyncerConfig(crash_at="after_merge")
+
+
+def ready_lines(syncer: SyncerProcess) -> int:
+    return (syncer.tmp_path / "syncer.log").read_text().count("ready\n")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("crash_at", CRASH_POINTS)
+def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_twice(
+    tmp_path: Path, broker_url: str, crash_at: str
+) -> None:
+    write_initial_model(tmp_path)
+    syncer = SyncerProcess(tmp_path, broker_url)
+    syncer.start("--crash-at", crash_at)
+    learners: dict[str, LearnerTransport] = {
+        name: connect_learner(
+            broker_url, run_id="faults", learner_id=name, incarnation=1, num_fragments=FRAGMENTS
+        )
+        for name in SHIFTS
+    }
+    latest: dict[int, GlobalFragment] = {}
+    seqs = dict.fromkeys(SHIFTS, 0)
+    fragment_of: dict[tuple[str, int, int], int] = {}  # every delta sent
+    last_base: dict[tuple[str, int], int] = {}  # (learner, fragment): version of its last delta
+    restarts = 0
+
+    def keep_going() -> None:
+        """One turn of the learners' loop; restart the syncer once it was killed."""
+        nonlocal restarts
+        code = syncer.returncode()
+        if code is not None:
+            assert code == -signal.SIGKILL and restarts == 0, f"syncer exited with {code}"
+            restarts += 1
+            syncer.start()  # the same folder, without --crash-at
+        for name, transport in learners.items():
+            # As real learners do: a restarted syncer counts a learner as live
+            # only once heard from, and closes a round without the silent ones.
+            transport.send_heartbeat(
+                Heartbeat(run_id="faults", learner_id=name, incarnation=1, step_time_s=0.05)
+            )
+            for g in transport.poll(0.05):  # also resends what is unacked
+                if g.fragment not in latest or g.version > latest[g.fragment].version:
+                    latest[g.fragment] = g
+            for p, g in latest.items():
+                sent = sum(1 for key, q in fragment_of.items() if key[0] == name and q == p)
+                if sent < ROUNDS and last_base.get((name, p), -1) < g.version:
+                    seqs[name] += 1
+                    transport.send_delta(delta_on(g, name, seqs[name]))
+                    fragment_of[(name, 1, seqs[name])] = p
+                    last_base[(name, p)] = g.version
+
+    def applied_in_checkpoint() -> bool:
+        """Every delta sent is recorded as applied by the checkpoint of its fragment."""
+        saved = [load_fragment(syncer.checkpoint_dir, p) for p in range(FRAGMENTS)]
+        applied = [s[1]["applied"] if s else {} for s in saved]
+        return all(
+            (inc, seq) <= tuple(applied[p].get(learner, (0, 0)))
+            for (learner, inc, seq), p in fragment_of.items()
+        )
+
+    def all_sent_and_acked() -> bool:
+        keep_going()
+        if len(fragment_of) < len(SHIFTS) * FRAGMENTS * ROUNDS or ready_lines(syncer) < 2:
+            return False
+        # The learners are done: merge what waits for a quorum that cannot come.
+        # (Redis acks a learner's delta when it is in the stream, not merged.)
+        assert syncer.proc is not None
+        syncer.proc.send_signal(signal.SIGUSR1)
+        return all(t.unacked == 0 for t in learners.values()) and applied_in_checkpoint()
+
+    try:
+        wait_until(all_sent_and_acked, 90, interval_s=0.3, what="every delta sent and acked")
+
+        def learners_hold_the_checkpoint() -> bool:
+            keep_going()
+            saved = [load_fragment(syncer.checkpoint_dir, p) for p in range(FRAGMENTS)]
+            return all(s and s[1]["version"] == latest[p].version for p, s in enumerate(saved))
+
+        wait_until(learners_hold_the_checkpoint, 10, what="the learners to get the last globals")
+    finally:
+        for transport in learners.values():
+            transport.close()
+        syncer.stop()
+
+    assert restarts == 1, f"the syncer never reached {crash_at}"
+    assert applied_in_checkpoint()  # nothing acknowledged lost
+    events = syncer.events()
+    assert not [e for e in events if e["event"] == "reject"], "acknowledged, then refused"
+    keys = applied_keys(events)
+    assert max(keys.values()) == 1, "a delta merged twice"
+    assert set(keys) <= set(fragment_of)
+    # Killed after its checkpoint, one round is durable but never logged.
+    unlogged = 1 if crash_at in ("after_checkpoint", "before_ack") else 0
+    missing = set(fragment_of) - set(keys)
+    for p in range(FRAGMENTS):
+        saved = load_fragment(syncer.checkpoint_dir, p)
+        assert saved is not None
+        tensors, meta = saved
+        logged = [e["version"] for e in events if e["event"] == "round" and e["fragment"] == p]
+        assert len(logged) == len(set(logged)), "a version published twice"
+        # Each round adds one version: a round merged again would add one more.
+        unlogged -= meta["version"] - len(logged)
+        assert latest[p].version == meta["version"]
+        assert torch.equal(latest[p].tensor(), tensors[f"version.{meta['version']}"])
+    assert unlogged == 0
+    # The unlogged round's deltas are all of one fragment, applied (checked above).
+    assert len({fragment_of[key] for key in missing}) <= 1
+
+
+# -- SIGSTOP: a process frozen for 30 s, then let go ---------------------------------
+PAUSE_S = 30.0  # part of the target: longer than every timeout on the way
+MAX_UNACKED = 4  # small, so that a 30 s outage fills the learners' bounded queues
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+@pytest.mark.timeout(420)
+def test_syncer_learner_and_redis_each_frozen_30s_the_run_goes_on_and_loses_nothing(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """SIGSTOP for 30 s, then SIGCONT, of the syncer, then of Redis, then of a
+    learner, in one run of two real learners. After each the run goes on (new
+    rounds, learners step on); in the end every delta in Redis was acked by the
+    syncer, none merged twice, both learners delivered everything, and their
+    queues and memory stayed bounded while the broker or the syncer was gone."""
+    url = f"{redis_server.url}?max_unacked={MAX_UNACKED}"
+    write_initial_model(tmp_path)
+    syncer = SyncerProcess(tmp_path, url)
+    syncer.start()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    learners: list[subprocess.Popen[bytes]] = []
+    logs = [tmp_path / f"learner-{i}.jsonl" for i in range(2)]
+    for i in range(2):
+        args = [
+            sys.executable,
+            "-m",
+            "compose.cli",
+            "learner",
+            *run_flags(url, syncer.initial_model),
+            *("--model-seq-len", "16", "--model-n-layer", "1"),
+            *("--model-n-head", "2", "--model-d-model", "16"),
+            *("--batch-size", "4", "--warmup-steps", "1", "--log-every", "1"),
+            # Paced, and more steps than the test lasts: both outlive the three
+            # pauses (learner-1 sits out one) and stop when asked (SIGTERM).
+            *("--steps", "100000", "--slowdown", "20"),
+            *("--learner-id", f"learner-{i}", "--shard", str(i), "--num-shards", "2"),
+            *("--finish-timeout-s", "60", "--metrics-file", str(logs[i])),
+        ]
+        out = open(tmp_path / f"learner-{i}.out", "wb")  # noqa: SIM115 (the child holds it)
+        learners.append(subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=out, env=env))
+
+    def steps_of(i: int) -> int:
+        return max((e["step"] for e in jsonl(logs[i]) if e["event"] == "step"), default=0)
+
+    def rounds_after(t: float) -> int:
+        return sum(1 for e in syncer.events() if e["event"] == "round" and e["t"] > t)
+
+    try:
+        wait_until(lambda: min(steps_of(0), steps_of(1)) >= 20, 120, what="both learners training")
+        wait_until(lambda: rounds_after(0) >= 2, 60, what="the first rounds")
+        assert redis_server.proc is not None and syncer.proc is not None
+        rss_before = rss_bytes(learners[0].pid)
+        # learner-1 last: it must outlive the other pauses and then its own.
+        for name, pid in [
+            ("syncer", syncer.proc.pid),
+            ("redis", redis_server.proc.pid),
+            ("learner-1", learners[1].pid),
+        ]:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(PAUSE_S)  # the fault itself: the process is frozen this long
+            os.kill(pid, signal.SIGCONT)
+            resumed_at, step_at = time.time(), steps_of(1)
+            wait_until(lambda t=resumed_at: rounds_after(t) >= 2, 90, what=f"rounds after {name}")
+            wait_until(lambda s=step_at: steps_of(1) > s + 5, 90, what=f"learner-1 after {name}")
+            assert learners[1].poll() is None, f"learner-1 ended during the {name} pause"
+            if name == "redis":  # learner-0 ran through both outages: what did they cost it?
+                assert learners[0].poll() is None, "learner-0 ended before the redis pause did"
+                rss_after = rss_bytes(learners[0].pid)
+        for proc in learners:
+            proc.terminate()  # a graceful stop: the learner sends what it has, then exits 0
+        for proc in learners:
+            proc.wait(timeout=120)
+        # The learners are done: merge what waits for them, then stop the syncer.
+        syncer.proc.send_signal(signal.SIGUSR1)
+        client = redis.Redis.from_url(redis_server.url)
+
+        def all_acked() -> bool:
+            """Every delta in the streams delivered to the syncer and acked by it."""
+            for p in range(FRAGMENTS):
+                key = f"ddiloco:faults:deltas:{p}"
+                last = client.xinfo_stream(key)["last-generated-id"]
+                for group in client.xinfo_groups(key):
+                    if group["pending"] or group["last-delivered-id"] != last:
+                        return False
+            return True
+
+        wait_until(all_acked, 30, what="the syncer to ack every delta in redis")
+        client.close()
+    finally:
+        for proc in learners:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        syncer.stop()
+
+    done = [e for log in logs for e in jsonl(log) if e["event"] == "done"]
+    assert len(done) == 2 and all(e["delivered"] and e["stopped_early"] for e in done), done
+    assert all(p.returncode == 0 for p in learners)
+    events = syncer.events()
+    keys = applied_keys(events)
+    assert keys and max(keys.values()) == 1, "a delta merged twice"
+    # A learner frozen for 30 s comes back on old versions: only staleness may refuse.
+    assert {e["reason"] for e in events if e["event"] == "reject"} <= {"stale"}
+    # Bounded: the transport holds at most MAX_UNACKED deltas, the comm thread at
+    # most its byte bound (for this small model, the floor) of raw deltas.
+    steps = [e for log in logs for e in jsonl(log) if e["event"] == "step"]
+    assert max(e["unacked"] for e in steps) <= MAX_UNACKED
+    assert max(e["queued_bytes"] for e in steps) <= MIN_QUEUED_BYTES
+    assert rss_after - rss_before < 64 * 2**20, (rss_before, rss_after)
