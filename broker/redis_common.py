@@ -110,7 +110,8 @@ return entries[1][1]
 
 # Take or renew a learner slot, by the server's clock (see LearnerTransport.lease).
 # KEYS[1]: the leases hash; ARGV: holder, ttl in ms, the slot the holder
-# believes it holds (-1: none). Returns the slot.
+# believes it holds (-1: none), the number of slots. Returns the slot, or -1
+# when all are held.
 LEASE_SLOT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -132,6 +133,7 @@ if mine == nil then
     else
         mine = 0
         while taken[mine] do mine = mine + 1 end
+        if mine >= tonumber(ARGV[4]) then return -1 end
     end
 end
 redis.call('HSET', KEYS[1], tostring(mine), holder .. ' ' .. string.format('%d', now + ttl_ms))

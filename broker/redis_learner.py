@@ -47,10 +47,12 @@ from broker.redis_common import (
     trimmed_key,
 )
 from broker.transport import (
+    MAX_LEARNER_SLOTS,
     Backpressure,
     LearnerTransport,
     TransportError,
     candidate_order,
+    lease_request_ok,
 )
 from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
 
@@ -387,15 +389,15 @@ class RedisLearnerTransport(LearnerTransport):
 
     # -- learner slots ----------------------------------------------------------
     def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if not lease_request_ok(ttl_s, held_slot):
+            raise ValueError(f"lease of slot {held_slot} for {ttl_s}s: out of bounds")
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
             time.sleep(min(max(0.0, deadline - time.monotonic()), self._reconnect.wait_s()))
             try:
                 slot = self._lease_slot(
                     keys=[leases_key(self.run_id)],
-                    args=[holder, max(1, int(ttl_s * 1000)), held_slot],
+                    args=[holder, max(1, int(ttl_s * 1000)), held_slot, MAX_LEARNER_SLOTS],
                 )
             except Exception as e:
                 if not is_transient(e):
@@ -405,6 +407,8 @@ class RedisLearnerTransport(LearnerTransport):
                     raise TransportError(f"no learner slot within {timeout_s}s: {e}") from e
                 continue
             self._reconnect.succeeded()
+            if slot < 0:
+                raise TransportError(f"all {MAX_LEARNER_SLOTS} learner slots are held")
             return int(slot)
 
     def close(self) -> None:

@@ -41,6 +41,17 @@ from typing import Any
 
 from broker.wire import Delta, GlobalFragment, Heartbeat
 
+# Bounds of learner slots, so that no peer can hold slots without end or many
+# of them: a lease outlives its holder by at most an hour, and the slots of
+# one run are few enough to scan.
+MAX_LEARNER_SLOTS = 4096
+MAX_LEASE_TTL_S = 3600.0
+
+
+def lease_request_ok(ttl_s: float, held_slot: int) -> bool:
+    """Whether a lease request is within the bounds above (checked on both ends)."""
+    return 0 < ttl_s <= MAX_LEASE_TTL_S and -1 <= held_slot < MAX_LEARNER_SLOTS
+
 
 class TransportError(RuntimeError):
     """The transport could not do what was asked within its timeout."""
@@ -146,7 +157,8 @@ class LearnerTransport(abc.ABC):
         """Deltas handed over but not yet durably delivered."""
 
     def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:
-        """Take or renew a learner slot (0, 1, ...) for ``holder`` for ``ttl_s``.
+        """Take or renew a learner slot (0 .. MAX_LEARNER_SLOTS - 1) for ``holder``
+        for ``ttl_s`` (at most MAX_LEASE_TTL_S).
 
         The slot ``holder`` holds already; else ``held_slot`` when it is free
         (a holder renewing after the lease authority lost its leases); else

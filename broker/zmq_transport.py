@@ -32,6 +32,7 @@ import zmq
 from broker import wire
 from broker.config_checks import check_positive, require
 from broker.transport import (
+    MAX_LEARNER_SLOTS,
     Backpressure,
     Inbound,
     LearnerTransport,
@@ -39,6 +40,7 @@ from broker.transport import (
     TransportError,
     TransportStats,
     candidate_order,
+    lease_request_ok,
 )
 from broker.wire import (
     Ack,
@@ -335,6 +337,8 @@ class ZmqLearnerTransport(LearnerTransport):
         return got
 
     def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:
+        if not lease_request_ok(ttl_s, held_slot):
+            raise ValueError(f"lease of slot {held_slot} for {ttl_s}s: out of bounds")
         req = LeaseRequest(run_id=self.run_id, holder=holder, held_slot=held_slot, ttl_s=ttl_s)
         frame = wire.encode(req)
         self._grants.pop(holder, None)
@@ -462,6 +466,9 @@ class ZmqSyncerTransport(SyncerTransport):
 
     def _answer_lease(self, identity: bytes, req: LeaseRequest) -> None:
         """The rule of ``LearnerTransport.lease``, by this process's clock."""
+        if not lease_request_ok(req.ttl_s, req.held_slot):
+            self.stats.rejected["bad_lease"] += 1
+            return
         now = time.monotonic()
         mine = [s for s, (holder, _) in self._leases.items() if holder == req.holder]
         taken = {s for s, (holder, expiry) in self._leases.items() if expiry > now} - set(mine)
@@ -476,6 +483,9 @@ class ZmqSyncerTransport(SyncerTransport):
             return
         else:
             slot = next(s for s in range(len(taken) + 1) if s not in taken)
+            if slot >= MAX_LEARNER_SLOTS:
+                self.stats.rejected["no_free_slot"] += 1
+                return
         self._leases[slot] = (req.holder, now + req.ttl_s)
         self._send_to(
             identity, wire.encode(LeaseGrant(run_id=self.run_id, holder=req.holder, slot=slot))

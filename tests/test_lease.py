@@ -12,10 +12,12 @@ import pytest
 import redis
 import zmq
 
+from broker import wire
 from broker.connect import connect_learner, connect_syncer
 from broker.redis_common import leases_key
 from broker.settings import RunSettings
-from broker.transport import LearnerTransport, TransportError
+from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, TransportError
+from broker.wire import LeaseRequest
 from compose.lease import SlotLease, shard_of
 from tests.servers import RedisServer, free_port, wait_until
 
@@ -200,3 +202,45 @@ def test_slot_lease_renews_and_reports_a_lost_slot(tmp_path: Path) -> None:
 
 def test_shards_wrap_round_robin() -> None:
     assert [shard_of(s, 4) for s in range(6)] == [0, 1, 2, 3, 0, 1]
+
+
+def test_a_peer_cannot_hold_a_slot_for_ever_or_take_them_all(broker_url: str) -> None:
+    """Attack: a lease of a year, or of a slot beyond the bound, is refused by the
+    requester's transport and, sent by hand over ZeroMQ, rejected and counted by
+    the authority, which keeps granting slots to others."""
+    a = learner(broker_url, "a")
+    try:
+        with pytest.raises(ValueError, match="out of bounds"):
+            a.lease("a", ttl_s=365 * 86400.0, timeout_s=1)
+        with pytest.raises(ValueError, match="out of bounds"):
+            a.lease("a", ttl_s=TTL_S, timeout_s=1, held_slot=MAX_LEARNER_SLOTS)
+        assert a.lease("a", ttl_s=TTL_S, timeout_s=10) == 0
+    finally:
+        a.close()
+
+
+def test_the_zmq_authority_rejects_leases_out_of_bounds() -> None:
+    url = zmq_url()
+    syncer = connect_syncer(url, run_id=RUN, syncer_id="s", fragments=[0])
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(url.replace("zmq://", "tcp://"))
+    try:
+        for ttl_s, held in [(365 * 86400.0, -1), (TTL_S, MAX_LEARNER_SLOTS)]:
+            forged = LeaseRequest(run_id=RUN, holder="greedy", held_slot=held, ttl_s=ttl_s)
+            dealer.send(wire.encode(forged))
+        wait_until(
+            lambda: syncer.receive(0.05) == [] and syncer.stats.rejected["bad_lease"] == 2,
+            10,
+            what="both forged leases rejected",
+        )
+        honest = learner(url, "honest")
+        pump = threading.Thread(target=lambda: [syncer.receive(0.05) for _ in range(100)])
+        pump.start()
+        assert honest.lease("honest", ttl_s=TTL_S, timeout_s=10) == 0
+        pump.join()
+        honest.close()
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        syncer.close()
