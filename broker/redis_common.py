@@ -11,6 +11,7 @@ Keys of one run (``{run}`` is the run id)::
     ddiloco:{run}:globals      stream   syncers XADD every new global (exact MAXLEN)
     ddiloco:{run}:model:{p}    string   the latest global of fragment p, for joiners
     ddiloco:{run}:learners     hash     learner id -> its latest heartbeat frame
+    ddiloco:{run}:leases       hash     learner slot -> "holder expiry_ms" (LEASE_SLOT)
     ddiloco:{run}:trimmed:{p}  integer  delta entries of fragment p trimmed unread
     ddiloco:{run}:notices:{l}  stream   refusals of learner l's deltas (short MAXLEN,
                                         expires when unused)
@@ -107,6 +108,38 @@ if #entries == 0 then return false end
 return entries[1][1]
 """
 
+# Take or renew a learner slot, by the server's clock (see LearnerTransport.lease).
+# KEYS[1]: the leases hash; ARGV: holder, ttl in ms, the slot the holder
+# believes it holds (-1: none), the number of slots. Returns the slot, or -1
+# when all are held.
+LEASE_SLOT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local holder, ttl_ms, held = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local entries = redis.call('HGETALL', KEYS[1])
+local taken, mine = {}, nil
+for i = 1, #entries, 2 do
+    local slot = tonumber(entries[i])
+    local who, expiry = string.match(entries[i + 1], '^(%S+) (%d+)$')
+    if who == holder then
+        if mine == nil or slot < mine then mine = slot end
+    elseif expiry and tonumber(expiry) > now then
+        taken[slot] = true
+    end
+end
+if mine == nil then
+    if held >= 0 and not taken[held] then
+        mine = held
+    else
+        mine = 0
+        while taken[mine] do mine = mine + 1 end
+        if mine >= tonumber(ARGV[4]) then return -1 end
+    end
+end
+redis.call('HSET', KEYS[1], tostring(mine), holder .. ' ' .. string.format('%d', now + ttl_ms))
+return mine
+"""
+
 # XADD ARGV[2] (a frame in field ARGV[1]) to delta stream KEYS[1], keeping it at
 # most ARGV[3] entries long. Entries group ARGV[4] is done with (delivered and
 # acked) go first; if that is not enough, the oldest others are dropped and
@@ -160,6 +193,10 @@ def model_key(run_id: str, fragment: int) -> str:
 
 def learners_key(run_id: str) -> str:
     return f"ddiloco:{run_id}:learners"
+
+
+def leases_key(run_id: str) -> str:
+    return f"ddiloco:{run_id}:leases"
 
 
 def trimmed_key(run_id: str, fragment: int) -> str:

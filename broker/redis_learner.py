@@ -3,10 +3,11 @@
 Keys, the delivery contract and the connection handling both sides share are in
 :mod:`broker.redis_common`. A learner XADDs its deltas to the delta stream of
 their fragment, HSETs its heartbeat into the learners hash, XREADs the globals
-stream and GETs the snapshot keys when it has no base or sees a gap.
+stream and GETs the snapshot keys when it has no base or sees a gap. Learner
+slots are leased in the leases hash by one script, on the server's clock.
 
-Connection errors never escape, with two exceptions: ``snapshot`` raises
-:class:`TransportError` when it gets no answer within its timeout, and
+Connection errors never escape, with two exceptions: ``snapshot`` and ``lease``
+raise :class:`TransportError` when they get no answer within their timeout, and
 ``send_delta`` raises :class:`Backpressure` when ``max_unacked`` deltas wait.
 """
 
@@ -24,6 +25,7 @@ from broker.redis_common import (
     BOUNDED_XADD,
     FIELD,
     GROUP,
+    LEASE_SLOT,
     STREAM_END_ID,
     Entries,
     Reconnect,
@@ -34,6 +36,7 @@ from broker.redis_common import (
     globals_stream_key,
     is_transient,
     learners_key,
+    leases_key,
     model_key,
     notices_key,
     parse_id,
@@ -44,10 +47,12 @@ from broker.redis_common import (
     trimmed_key,
 )
 from broker.transport import (
+    MAX_LEARNER_SLOTS,
     Backpressure,
     LearnerTransport,
     TransportError,
     candidate_order,
+    lease_request_ok,
 )
 from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
 
@@ -109,6 +114,7 @@ class RedisLearnerTransport(LearnerTransport):
         self._max_block_s = socket_timeout_s / 2
         self._client = connect(url, socket_timeout_s)
         self._stream_end_id = self._client.register_script(STREAM_END_ID)
+        self._lease_slot = self._client.register_script(LEASE_SLOT)
         self._bounded_xadd = self._client.register_script(BOUNDED_XADD)
         self._reconnect = Reconnect(f"learner {learner_id}")
         self._queue: deque[_QueuedDelta] = deque()
@@ -380,6 +386,30 @@ class RedisLearnerTransport(LearnerTransport):
                 continue
             self._reconnect.succeeded()
             return found
+
+    # -- learner slots ----------------------------------------------------------
+    def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:
+        if not lease_request_ok(ttl_s, held_slot):
+            raise ValueError(f"lease of slot {held_slot} for {ttl_s}s: out of bounds")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            time.sleep(min(max(0.0, deadline - time.monotonic()), self._reconnect.wait_s()))
+            try:
+                slot = self._lease_slot(
+                    keys=[leases_key(self.run_id)],
+                    args=[holder, max(1, int(ttl_s * 1000)), held_slot, MAX_LEARNER_SLOTS],
+                )
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                self._failed(e)
+                if time.monotonic() >= deadline:
+                    raise TransportError(f"no learner slot within {timeout_s}s: {e}") from e
+                continue
+            self._reconnect.succeeded()
+            if slot < 0:
+                raise TransportError(f"all {MAX_LEARNER_SLOTS} learner slots are held")
+            return int(slot)
 
     def close(self) -> None:
         if self._queue:

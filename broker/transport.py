@@ -23,6 +23,9 @@ Delivery contract
   never a silent acknowledgement: the learner stops resending it, counts it by
   reason, and fetches the fragment's latest global.
 * Heartbeats are best effort and tiny.
+* Learner slots (:meth:`LearnerTransport.lease`) give learners that do not
+  name themselves a distinct id and data shard that survive their restarts;
+  Redis holds the leases (by its own clock), or the first ZeroMQ syncer does.
 * Every inbound frame is size-bounded and validated; a bad one is dropped and
   counted in ``rejected`` by reason, never raised into the service.
 * Every call that waits takes a timeout; none blocks forever.
@@ -37,6 +40,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.wire import Delta, GlobalFragment, Heartbeat
+
+# Bounds of learner slots, so that no peer can hold slots without end or many
+# of them: a lease outlives its holder by at most an hour, and the slots of
+# one run are few enough to scan.
+MAX_LEARNER_SLOTS = 4096
+MAX_LEASE_TTL_S = 3600.0
+
+
+def lease_request_ok(ttl_s: float, held_slot: int) -> bool:
+    """Whether a lease request is within the bounds above (checked on both ends)."""
+    return 0 < ttl_s <= MAX_LEASE_TTL_S and -1 <= held_slot < MAX_LEARNER_SLOTS
 
 
 class TransportError(RuntimeError):
@@ -141,6 +155,19 @@ class LearnerTransport(abc.ABC):
     @abc.abstractmethod
     def unacked(self) -> int:
         """Deltas handed over but not yet durably delivered."""
+
+    def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:
+        """Take or renew a learner slot (0 .. MAX_LEARNER_SLOTS - 1) for ``holder``
+        for ``ttl_s`` (at most MAX_LEASE_TTL_S).
+
+        The slot ``holder`` holds already; else ``held_slot`` when it is free
+        (a holder renewing after the lease authority lost its leases); else
+        the lowest free slot. A slot is free when nobody holds it or its
+        holder's lease ran out. Call again well within ``ttl_s`` to keep the
+        slot. Raises :class:`TransportError` when the authority does not
+        answer within ``timeout_s``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} hands out no learner slots")
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every delta is delivered; True if none is left."""

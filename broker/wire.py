@@ -63,6 +63,11 @@ def _check_time(name: str, v: Any) -> None:
         raise WireError("bad_field", f"{name} must be a finite non-negative number")
 
 
+def _check_slot(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not -1 <= v < 2**31:
+        raise WireError("bad_field", f"{name} must be an integer in [-1, 2^31)")
+
+
 def _check_hash(name: str, v: Any) -> None:
     if not isinstance(v, str) or not _HASH_RE.match(v):
         raise WireError("bad_field", f"{name} must be 16 lowercase hex digits")
@@ -107,6 +112,10 @@ _CHECKS = {
     "seqs": _check_uint_list,
     "reason": _check_reason,
     "fragments": _check_uint_list,
+    "holder": _check_id,
+    "held_slot": _check_slot,
+    "slot": _check_uint,
+    "ttl_s": _check_time,
 }
 
 
@@ -253,8 +262,41 @@ class Refusal(Message):
         )
 
 
+@dataclass(frozen=True)
+class LeaseRequest(Message):
+    """Learner -> the first syncer: take or renew a learner slot for ``holder``
+    for ``ttl_s`` (see ``LearnerTransport.lease``); ``held_slot`` is the slot
+    it believes it holds (-1: none)."""
+
+    KIND: ClassVar[str] = "lease_request"
+    run_id: str = ""
+    holder: str = ""
+    held_slot: int = -1
+    ttl_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class LeaseGrant(Message):
+    """Syncer -> learner: ``holder`` holds ``slot`` now."""
+
+    KIND: ClassVar[str] = "lease_grant"
+    run_id: str = ""
+    holder: str = ""
+    slot: int = 0
+
+
 KINDS: dict[str, type[Message]] = {
-    cls.KIND: cls for cls in (Delta, GlobalFragment, Heartbeat, Ack, SnapshotRequest, Refusal)
+    cls.KIND: cls
+    for cls in (
+        Delta,
+        GlobalFragment,
+        Heartbeat,
+        Ack,
+        SnapshotRequest,
+        Refusal,
+        LeaseRequest,
+        LeaseGrant,
+    )
 }
 
 

@@ -12,6 +12,11 @@ unacknowledged after ``ack_timeout_s`` (the syncer de-duplicates). Globals are
 full fragment weights, so PUB's drops are harmless as long as they are
 noticed: versions are per-fragment sequence numbers, and a gap triggers a
 snapshot request for that fragment over the DEALER.
+
+Learner slots (``lease``) are held by the first syncer's transport, which
+answers lease requests itself, like snapshot requests. It keeps them in
+memory: a restarted syncer knows none, so for half a lease period it grants
+only the slots holders say they hold (their renewals), then free ones again.
 """
 
 from __future__ import annotations
@@ -27,18 +32,23 @@ import zmq
 from broker import wire
 from broker.config_checks import check_positive, require
 from broker.transport import (
+    MAX_LEARNER_SLOTS,
     Backpressure,
     Inbound,
     LearnerTransport,
     SyncerTransport,
+    TransportError,
     TransportStats,
     candidate_order,
+    lease_request_ok,
 )
 from broker.wire import (
     Ack,
     Delta,
     GlobalFragment,
     Heartbeat,
+    LeaseGrant,
+    LeaseRequest,
     Refusal,
     SnapshotRequest,
     WireError,
@@ -155,6 +165,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self._ready: dict[int, list[GlobalFragment]] = {}
         # Fragments to resync: (when to ask again, the retry interval after that).
         self._awaiting: dict[int, tuple[float, float]] = {}
+        self._grants: dict[str, int] = {}  # holder -> slot, from the syncer's last answer
 
     def _owner(self, fragment: int) -> int:
         return fragment % len(self._dealers)
@@ -279,6 +290,8 @@ class ZmqLearnerTransport(LearnerTransport):
                     self._handle_global(msg)
                 elif isinstance(msg, Ack):
                     self._handle_ack(msg)
+                elif isinstance(msg, LeaseGrant) and msg.run_id == self.run_id:
+                    self._grants[msg.holder] = msg.slot
                 elif isinstance(msg, Refusal):
                     self._handle_refusal(msg)
                 elif msg is not None:
@@ -323,6 +336,31 @@ class ZmqLearnerTransport(LearnerTransport):
                     got[p] = max(self._ready.pop(p), key=candidate_order)
         return got
 
+    def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:
+        if not lease_request_ok(ttl_s, held_slot):
+            raise ValueError(f"lease of slot {held_slot} for {ttl_s}s: out of bounds")
+        req = LeaseRequest(run_id=self.run_id, holder=holder, held_slot=held_slot, ttl_s=ttl_s)
+        frame = wire.encode(req)
+        self._grants.pop(holder, None)
+        deadline = time.monotonic() + timeout_s
+        next_request = 0.0
+        retry_s = 0.5  # doubles, as for snapshots
+        while holder not in self._grants:
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransportError(f"no learner slot from the first syncer within {timeout_s}s")
+            if now >= next_request:
+                try:
+                    self._dealers[0].send(frame, zmq.NOBLOCK)  # the first syncer holds leases
+                    self.stats.bytes_sent += len(frame)
+                except zmq.Again:
+                    pass  # not connected yet
+                next_request = now + retry_s
+                retry_s = min(retry_s * 2, 4.0)
+            self._drain(min(0.05, deadline - now))
+            self._resend_due()
+        return self._grants.pop(holder)
+
     def close(self) -> None:
         self._ctx.destroy(linger=0)
 
@@ -358,6 +396,8 @@ class ZmqSyncerTransport(SyncerTransport):
         self._pub.setsockopt(zmq.SNDHWM, send_hwm)
         self._pub.bind(pub_endpoint(bind))
         self._latest: dict[int, bytes] = {}  # encoded newest global per fragment
+        self._leases: dict[int, tuple[str, float]] = {}  # slot -> (holder, expiry)
+        self._started = time.monotonic()
         # When each (peer, fragment) was last answered: a snapshot is a whole
         # fragment, so a peer gets each at most once per snapshot_interval_s.
         self._answered: dict[tuple[bytes, int], float] = {}
@@ -389,6 +429,8 @@ class ZmqSyncerTransport(SyncerTransport):
                 out.append(Inbound(msg))
             elif isinstance(msg, SnapshotRequest):
                 self._answer_snapshot(identity, msg)
+            elif isinstance(msg, LeaseRequest):
+                self._answer_lease(identity, msg)
             else:
                 self.stats.rejected["unexpected_kind"] += 1
         return out
@@ -421,6 +463,33 @@ class ZmqSyncerTransport(SyncerTransport):
                 continue
             self._answered[(identity, p)] = now
             self._send_to(identity, self._latest[p])
+
+    def _answer_lease(self, identity: bytes, req: LeaseRequest) -> None:
+        """The rule of ``LearnerTransport.lease``, by this process's clock."""
+        if not lease_request_ok(req.ttl_s, req.held_slot):
+            self.stats.rejected["bad_lease"] += 1
+            return
+        now = time.monotonic()
+        mine = [s for s, (holder, _) in self._leases.items() if holder == req.holder]
+        taken = {s for s, (holder, expiry) in self._leases.items() if expiry > now} - set(mine)
+        if mine:
+            slot = min(mine)
+        elif req.held_slot >= 0 and req.held_slot not in taken:
+            slot = req.held_slot
+        elif now - self._started < req.ttl_s / 2:
+            # Just started: leases granted before may still run. Their holders
+            # renew within a third of the lease, so they reclaim their slots
+            # first, and a newcomer asks again.
+            return
+        else:
+            slot = next(s for s in range(len(taken) + 1) if s not in taken)
+            if slot >= MAX_LEARNER_SLOTS:
+                self.stats.rejected["no_free_slot"] += 1
+                return
+        self._leases[slot] = (req.holder, now + req.ttl_s)
+        self._send_to(
+            identity, wire.encode(LeaseGrant(run_id=self.run_id, holder=req.holder, slot=slot))
+        )
 
     def ack(self, items: list[Inbound]) -> None:
         seqs: dict[tuple[bytes, str, int], list[int]] = defaultdict(list)

@@ -13,6 +13,11 @@ folder (``--out``):
     checkpoint/        the syncer's atomic per-fragment checkpoints
     plots/             loss against tokens; per-learner timeline with kills
     logs/              each process's stderr
+    processes.json     name -> pid of every running process, for ``ddiloco chaos --local``
+
+``--netns`` runs each learner in a network namespace of its own, joined to
+this host by a veth pair (:mod:`compose.netns`), so that ``ddiloco throttle
+--local RUN_DIR`` can limit its link as it would a container's.
 
 ``--mode diloco`` runs synchronous DiLoCo on the same settings (K = M, no
 grace window, learners wait for each fragment's new global) and ``--mode ddp``
@@ -37,10 +42,13 @@ from rich.console import Console
 from rich.live import Live
 
 from broker.connect import parse_url
+from broker.files import atomic_write
 from broker.settings import NO_BROKER, RunSettings
 from compose.chaos import ChaosSchedule
+from compose.chaos_run import CHAOS_FILE, PROCESSES_FILE
 from compose.cli_config import dataclass_to_args, dataclass_values
 from compose.live_view import LiveView
+from compose.netns import LocalNetwork
 from compose.processes import JsonlTail, Proc, Supervisor, free_port_pair
 from compose.report import SUMMARY_KEYS, load_events, plot_run, summarise
 from learner.config import (
@@ -76,6 +84,7 @@ class LocalConfig:
     kill_learner_at_s: float = 0.0  # SIGKILL learner-0 once, this many s in; 0: never
     slowdown: tuple[float, ...] = ()  # per-learner step-time factors, e.g. 1,1,1.5,2; empty: 1
     no_progress: bool = False  # plain log lines instead of a live table
+    netns: bool = False  # each learner in its own network namespace (root; ddiloco throttle)
 
     def __post_init__(self) -> None:
         m = self.run.learners
@@ -93,6 +102,8 @@ class LocalConfig:
             self.chaos_mtbf_s or self.kill_syncer_at_s or self.kill_learner_at_s
         ):
             raise ValueError("mode=ddp has no fault tolerance to test: drop the chaos options")
+        if self.netns and (self.mode == "ddp" or self.run.url != RunSettings.url):
+            raise ValueError("--netns needs the default ZeroMQ url and a syncer: drop --url")
 
 
 class LocalRun:
@@ -108,6 +119,8 @@ class LocalRun:
         for sub in ("logs", "learners", "state", "plots"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
         self.port = free_port_pair()
+        learner_names = [f"learner-{i}" for i in range(self.m)]
+        self.network = LocalNetwork.create(learner_names) if cfg.netns else None
         self.run_settings = self._run_settings()
         self.events: list[dict[str, Any]] = []
         self.syncer: Proc | None = None
@@ -123,8 +136,10 @@ class LocalRun:
             url = NO_BROKER
         elif parse_url(url).backend == "zmq" and url == RunSettings.url:
             # The default: a private pair of free loopback ports, so that runs
-            # (and tests) on one machine never collide.
-            url = f"zmq://127.0.0.1:{self.port}"
+            # (and tests) on one machine never collide. With namespaces, the
+            # bridge's address, which every namespace reaches.
+            host = self.network.host_address if self.network else "127.0.0.1"
+            url = f"zmq://{host}:{self.port}"
         quorum = self.m if self.mode == "diloco" else run.quorum
         # The run folder's own initial model, written at start, unless the user
         # gave one (e.g. from `ddiloco init` or a pretrained model): then that one.
@@ -157,6 +172,8 @@ class LocalRun:
         self, name: str, service: str, cfg: Any, env: dict[str, str] | None = None
     ) -> Proc:
         args = [sys.executable, "-m", "compose.cli", service, *dataclass_to_args(cfg)]
+        if self.network is not None and name in self.network.namespaces:
+            args = self.network.command(name, args)
         return Proc(name, args, self.out / "logs" / f"{name}.log", env=env or {})
 
     def syncer_proc(self) -> Proc:
@@ -214,6 +231,22 @@ class LocalRun:
 
     # -- the run -----------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        try:
+            if self.network is not None:
+                self.network.write(self.out)
+            return self._run()
+        finally:
+            if self.network is not None:
+                self.network.close()
+
+    def _write_processes(self, procs: list[Proc], written: dict[str, int]) -> dict[str, int]:
+        """processes.json, when a pid changed: what ``ddiloco chaos --local`` strikes."""
+        pids = {p.name: p.popen.pid for p in procs if p.popen is not None and p.alive()}
+        if pids != written:
+            atomic_write(self.out / PROCESSES_FILE, json.dumps(pids).encode())
+        return pids
+
+    def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         started = time.time()
         self.events.append(
@@ -264,6 +297,8 @@ class LocalRun:
         tails = {
             p.name: JsonlTail(self.out / "learners" / f"{p.name}.jsonl") for p in self.learners
         }
+        chaos_tail = JsonlTail(self.out / CHAOS_FILE)  # kills by ddiloco chaos --local
+        pids: dict[str, int] = {}
         service_tails = [JsonlTail(self.out / f"{p.name}.jsonl") for p in services]
         view = LiveView(self.m, self.run_settings.steps)
         live = (
@@ -278,7 +313,11 @@ class LocalRun:
                 live.start()
             while not all(p.done for p in self.learners):
                 now = time.monotonic()
+                supervisor.external_kills |= {
+                    int(e["pid"]) for e in chaos_tail.read() if e.get("event") == "kill"
+                }
                 supervisor.check(now)
+                pids = self._write_processes(self.learners + services, pids)
                 up = [p.alive() and not p.done for p in self.learners]
                 for kill in chaos.due(now, up):
                     victim = by_name[kill.process]

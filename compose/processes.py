@@ -135,9 +135,10 @@ class Supervisor:
     Workers (learners) run to completion: exit code 0 means finished. Services
     (the syncer) run until the launcher stops them, so any exit of theirs is a
     failure. A process we killed restarts after ``restart_s`` without counting
-    as a crash; one that died on its own counts, and ends the run past
-    ``MAX_CRASHES`` or at once when ``crash_is_fatal`` (data parallel: a
-    gloo group cannot take a member back).
+    as a crash, and so does one that ``ddiloco chaos`` killed (its pid is in
+    ``external_kills``): that is a chaos kill too. One that died on its own
+    counts as a crash, and ends the run past ``MAX_CRASHES`` or at once when
+    ``crash_is_fatal`` (data parallel: a gloo group cannot take a member back).
     """
 
     def __init__(
@@ -155,6 +156,7 @@ class Supervisor:
         self.restart_s = restart_s
         self.crash_is_fatal = crash_is_fatal
         self.console = console
+        self.external_kills: set[int] = set()  # pids that ddiloco chaos killed
 
     def check(self, now: float) -> None:
         """One pass over all processes; ``now`` is ``time.monotonic()``."""
@@ -175,7 +177,18 @@ class Supervisor:
                     {"t": time.time(), "event": "process_exit", "process": proc.name, "code": 0}
                 )
                 return
-            if not proc.killed_by_us:
+            if proc.popen.pid in self.external_kills:
+                proc.kills += 1
+                self.events.append(
+                    {
+                        "t": time.time(),
+                        "event": "process_kill",
+                        "process": proc.name,
+                        "reason": "chaos",
+                        "by": "ddiloco chaos",
+                    }
+                )
+            elif not proc.killed_by_us:
                 self._crashed(proc, code)
             proc.restart_at = now + self.restart_s
         elif now >= proc.restart_at:

@@ -153,7 +153,7 @@ def summarise(
     for name, learner_spans in spans.items():
         first = min(s for s, _ in learner_spans)
         finish = max(e for _, e in learner_spans)
-        rate = statistics.median(rates[name]) if rates[name] else 0.0
+        rate = statistics.median(rates[name]) if rates.get(name) else 0.0
         undisturbed += rate * tps * (finish - first)
     useful = float(tokens_total) if mode == "ddp" else sum(e["tokens"] for e in rounds) / fragments
     goodput = useful / undisturbed if undisturbed > 0 else 0.0

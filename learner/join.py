@@ -3,12 +3,13 @@ against this learner's plan before anything is applied."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from broker.fragments import FragmentPlan
-from broker.transport import LearnerTransport
+from broker.transport import LearnerTransport, TransportError
 from broker.wire import GlobalFragment, WireError
 from learner.fragment_sync import Stamp
 
@@ -41,7 +42,9 @@ def join_snapshot(
                 f"no snapshot of fragments {sorted(set(wanted) - got.keys())} within "
                 f"{timeout_s}s: is the syncer running and reachable?"
             )
-        got.update(transport.snapshot([p for p in wanted if p not in got], timeout_s=2.0))
+        # A broker that does not answer yet (starting, restarting): ask again.
+        with contextlib.suppress(TransportError):
+            got.update(transport.snapshot([p for p in wanted if p not in got], timeout_s=2.0))
         if len(got) < len(wanted):
             time.sleep(0.2)  # the syncer has not published those fragments yet
     arrived = []

@@ -37,6 +37,7 @@ from prometheus_client import Counter as PromCounter
 from broker.connect import connect_syncer
 from broker.files import EventLog
 from broker.initial_model import read_initial_model
+from broker.settings import default_quorum
 from broker.transport import Inbound, SyncerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat, WireError
 from syncer.checkpoint import load_fragment, load_manifest, save_fragment, save_manifest
@@ -297,7 +298,11 @@ class Syncer:
             self.transport.ack(to_ack)
         live = self.live_learners(now)
         step_s = self.roster.median_step_s()
+        # K is fixed when given; else one less than the learners live now, so it
+        # follows learners as they join and leave (a scaled cluster, the end of a run).
+        quorum = self.cfg.run.quorum or default_quorum(len(live))
         for p, state in self.states.items():
+            state.round.set_quorum(quorum, now)
             if state.should_close(now, live, step_s, len(self.roster)):
                 self.close_round(p)
         self.metrics.live.set(len(live))

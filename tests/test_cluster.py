@@ -1,0 +1,361 @@
+"""The container cluster against a real Docker engine: one lifecycle with docker
+compose over Redis (up, scale, a learner and the syncer crashed by ddiloco chaos,
+a throttled learner, the end), and the same file on a single-node swarm.
+
+Every wait polls a condition with a timeout. Each test removes its containers,
+volumes and networks; the images are built once and removed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from compose.throttle import parse_rate
+from tests.docker_env import (
+    COMPOSE_FILE,
+    ClusterImages,
+    build_images,
+    compose_command,
+    ddiloco,
+    docker_client,
+    learner_events,
+    read_jsonl,
+    run,
+)
+from tests.servers import free_port, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
+
+# A small model and frequent syncs: the lifecycle shows every event in minutes.
+CLUSTER_SETTINGS = {
+    "DDILOCO_STEPS": "100000",  # learners train until the test stops them
+    "DDILOCO_FRAGMENTS": "2",
+    "DDILOCO_SYNC_EVERY": "4",
+    "DDILOCO_OVERLAP": "1",
+    "DDILOCO_MODEL_D_MODEL": "32",
+    "DDILOCO_MODEL_N_LAYER": "1",
+    "DDILOCO_MODEL_N_HEAD": "2",
+    "DDILOCO_MODEL_SEQ_LEN": "32",
+    "DDILOCO_BATCH_SIZE": "8",
+    "DDILOCO_EVAL_EVERY_S": "5",
+    "DDILOCO_EVERY_S": "5",
+    "DDILOCO_NUM_SHARDS": "8",
+}
+TIMINGS: dict[str, float] = {}
+PROBE_BYTES = 1_000_000
+RATE = "2mbit"
+
+
+@pytest.fixture(scope="module")
+def images() -> Iterator[ClusterImages]:
+    client = docker_client()
+    compose_command()
+    yield from build_images(client, TIMINGS)
+    print(f"\ncluster timings: {json.dumps(TIMINGS)}")
+
+
+class Cluster:
+    """One compose project of the test: its settings, commands and run folder."""
+
+    def __init__(self, images: ClusterImages, run_dir: Path, replicas: int) -> None:
+        self.project = f"ddtest{uuid.uuid4().hex[:8]}"
+        self.run_dir = run_dir
+        self.env = {
+            **CLUSTER_SETTINGS,
+            "DDILOCO_IMAGE": images.app,
+            "DDILOCO_REDIS_IMAGE": images.redis,
+            "DDILOCO_RUN_DIR": str(run_dir),
+            "DDILOCO_RUN_ID": self.project,
+            "DDILOCO_SYNCER_METRICS_PORT": str(free_port()),
+            "DDILOCO_LEARNER_REPLICAS": str(replicas),
+        }
+
+    def compose(self, *args: str, timeout: float = 900) -> str:
+        cmd = [*compose_command(), "-p", self.project, "-f", str(COMPOSE_FILE), *args]
+        return run(cmd, env=self.env, timeout=timeout)
+
+    def leases(self) -> dict[str, dict[str, Any]]:
+        """learner id -> its newest lease event."""
+        return {e["learner"]: e for e in learner_events(self.run_dir) if e["event"] == "lease"}
+
+    def stepping(self, since: float) -> set[str]:
+        return {
+            e["learner"]
+            for e in learner_events(self.run_dir)
+            if e["event"] == "step" and e["t"] > since
+        }
+
+    def rounds(self) -> list[dict[str, Any]]:
+        return [e for e in read_jsonl(self.run_dir / "syncer.jsonl") if e["event"] == "round"]
+
+
+def redis_cli(container: str, *args: str) -> Any:
+    return json.loads(run(["docker", "exec", container, "redis-cli", "--json", *args]))
+
+
+def probe_transfer(container: str) -> dict[str, float]:
+    """Seconds to send and to receive PROBE_BYTES between a learner and Redis."""
+    code = (
+        "import json, os, time, redis\n"
+        "r = redis.Redis(host='redis', port=6379, socket_timeout=300)\n"
+        f"data = os.urandom({PROBE_BYTES})\n"
+        "t = time.perf_counter(); r.set('throttle-probe', data); up = time.perf_counter() - t\n"
+        "t = time.perf_counter(); got = r.get('throttle-probe'); down = time.perf_counter() - t\n"
+        "assert got == data; r.delete('throttle-probe')\n"
+        "print(json.dumps({'up_s': up, 'down_s': down}))\n"
+    )
+    return json.loads(run(["docker", "exec", container, "python3", "-c", code]))
+
+
+@pytest.mark.timeout(3600)
+def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
+    started = time.monotonic()
+    cluster = Cluster(images, tmp_path / "run", replicas=3)
+    cluster.run_dir.mkdir()
+    redis_c, syncer_c = f"{cluster.project}_redis_1", f"{cluster.project}_syncer_1"
+    try:
+        # -- up with 3 learners over Redis: 3 slots, 3 shards, all training -------
+        cluster.compose("up", "-d")
+        wait_until(
+            lambda: len(cluster.leases()) == 3 and len(cluster.stepping(0)) == 3,
+            600,
+            interval_s=2,
+            what="3 learners leased and training",
+        )
+        TIMINGS["cluster_up_s"] = round(time.monotonic() - started, 1)
+
+        # -- scaled to 4: a fourth slot and shard, without editing anything ---------
+        cluster.compose("up", "-d", "--scale", "learner=4", "--no-recreate")
+        wait_until(
+            lambda: len(cluster.leases()) == 4 and len(cluster.stepping(0)) == 4,
+            600,
+            interval_s=2,
+            what="a fourth learner leased and training",
+        )
+        leases = cluster.leases()
+        assert sorted(leases) == ["learner-0", "learner-1", "learner-2", "learner-3"]
+        assert sorted(e["shard"] for e in leases.values()) == [0, 1, 2, 3]
+        assert len({e["holder"] for e in leases.values()}) == 4
+
+        # -- a learner crashed by ddiloco chaos comes back with its slot and shard ---
+        chaos_log = cluster.run_dir / "chaos.jsonl"
+        ddiloco(
+            "chaos",
+            "--project",
+            cluster.project,
+            "--target",
+            "learner",
+            "--mtbf-s",
+            "0.5",
+            "--max-kills",
+            "1",
+            "--restart-s",
+            "2",
+            "--seed",
+            "7",
+            "--events",
+            str(chaos_log),
+        )
+        kill = next(e for e in read_jsonl(chaos_log) if e["event"] == "kill")
+        assert any(e["event"] == "restart" and e["by"] == "chaos" for e in read_jsonl(chaos_log))
+        victim = next(n for n, e in leases.items() if e["holder"] == kill["hostname"])
+
+        def rejoined() -> bool:
+            events = [e for e in learner_events(cluster.run_dir) if e.get("learner") == victim]
+            after = [e for e in events if e["t"] > kill["t"]]
+            relet = [e for e in after if e["event"] == "lease"]
+            starts = [e for e in after if e["event"] == "start"]
+            return bool(relet and starts and any(e["event"] == "step" for e in after))
+
+        wait_until(rejoined, 300, interval_s=1, what=f"{victim} back after its crash")
+        back = next(
+            e["t"]
+            for e in learner_events(cluster.run_dir)
+            if e.get("learner") == victim and e["event"] == "step" and e["t"] > kill["t"]
+        )
+        TIMINGS["crash_to_rejoin_s"] = round(back - kill["t"], 1)  # to its first step event
+        relet = cluster.leases()[victim]
+        assert (relet["slot"], relet["shard"], relet["holder"]) == (
+            leases[victim]["slot"],
+            leases[victim]["shard"],
+            leases[victim]["holder"],
+        )
+        restart = next(
+            e
+            for e in learner_events(cluster.run_dir)
+            if e.get("learner") == victim and e["event"] == "start" and e["t"] > kill["t"]
+        )
+        assert restart["step"] > 0  # resumed its own progress (state volume)
+        others = cluster.stepping(kill["t"]) - {victim}
+        assert len(others) == 3  # the others trained on through the crash
+
+        # -- the syncer crashed and back from its checkpoint ------------------------
+        before = {r["fragment"]: r["version"] for r in cluster.rounds()}
+        ddiloco(
+            "chaos",
+            "--project",
+            cluster.project,
+            "--target",
+            "syncer",
+            "--mtbf-s",
+            "0.5",
+            "--max-kills",
+            "1",
+            "--restart-s",
+            "3",
+            "--seed",
+            "7",
+            "--events",
+            str(chaos_log),
+        )
+        syncer_kill = [e for e in read_jsonl(chaos_log) if e["event"] == "kill"][-1]
+        assert syncer_kill["role"] == "syncer"
+        wait_until(
+            lambda: any(r["t"] > syncer_kill["t"] for r in cluster.rounds()),
+            300,
+            interval_s=1,
+            what="rounds after the syncer's restart",
+        )
+        assert "resumed fragments" in run(["sh", "-c", f"docker logs {syncer_c} 2>&1"])
+        after = [r for r in cluster.rounds() if r["t"] > syncer_kill["t"]]
+        for r in after:  # versions go on from the checkpoint, never back to the start
+            assert r["version"] > before.get(r["fragment"], 0)
+        # The outage: from the kill to the first round of the restarted syncer.
+        outage = (syncer_kill["t"], after[0]["t"])
+        trained_in_outage = {
+            e["learner"]
+            for e in learner_events(cluster.run_dir)
+            if e["event"] == "step" and outage[0] < e["t"] < outage[1]
+        }
+        assert trained_in_outage, "learners stopped while the syncer was down"
+
+        # -- a throttled learner: the limit holds both ways, then it is cleared -----
+        target = next(
+            c.name
+            for c in docker_client().containers.list(
+                filters={"label": f"com.docker.compose.project={cluster.project}"}
+            )
+            if c.labels.get("com.docker.compose.service") == "learner"
+        )
+        records = [
+            json.loads(x)
+            for x in ddiloco("throttle", "set", "--container", target, "--rate", RATE).splitlines()
+        ]
+        rate_bits = parse_rate(RATE)
+        assert records == [
+            {"target": target, "dev": "eth0", "up_bits": rate_bits, "down_bits": rate_bits}
+        ]
+        throttled_since = time.time()
+        throttled = probe_transfer(target)
+        floor_s = PROBE_BYTES * 8 / rate_bits
+        TIMINGS.update({f"throttled_{k}": round(v, 2) for k, v in throttled.items()})
+        TIMINGS["throttle_floor_s"] = round(floor_s, 2)
+        assert throttled["up_s"] >= floor_s and throttled["down_s"] >= floor_s, throttled
+        shown = json.loads(ddiloco("throttle", "show", "--container", target))
+        assert shown["up_bits"] == rate_bits and shown["down_bits"] == rate_bits
+        ddiloco("throttle", "clear", "--container", target)
+        cleared = json.loads(ddiloco("throttle", "show", "--container", target))
+        assert cleared["up_bits"] is None and cleared["down_bits"] is None
+        free = probe_transfer(target)
+        TIMINGS.update({f"unthrottled_{k}": round(v, 2) for k, v in free.items()})
+        assert free["up_s"] < floor_s and free["down_s"] < floor_s
+        assert len(cluster.stepping(throttled_since)) == 4  # all trained through it
+
+        # -- the end: learners stop, the last rounds merge, the outputs are written ---
+        cluster.compose("stop", "-t", "60", "learner")
+        acked_streams = [f"ddiloco:{cluster.project}:deltas:{p}" for p in range(2)]
+
+        def drained() -> bool:
+            # Every delta Redis acknowledged was delivered to the syncer group,
+            # and the syncer acked each only after merging (or refusing) it.
+            for stream in acked_streams:
+                info = redis_cli(redis_c, "XINFO", "STREAM", stream)
+                group = redis_cli(redis_c, "XINFO", "GROUPS", stream)[0]
+                if group["pending"] or group["last-delivered-id"] != info["last-generated-id"]:
+                    return False
+            return True
+
+        wait_until(drained, 120, interval_s=1, what="every delta in Redis merged and acked")
+        # The evaluator takes its last snapshot, the syncer writes its totals, then
+        # the reporter writes the final summary and plots.
+        for service in ("evaluator", "syncer", "reporter"):
+            cluster.compose("stop", "-t", "60", service)
+        TIMINGS["lifecycle_s"] = round(time.monotonic() - started, 1)
+
+        # Nothing applied twice: no (learner, incarnation, seq) in two rounds, across
+        # both syncer processes.
+        keys = [tuple(k) for r in cluster.rounds() for k in r["keys"]]
+        assert keys and len(keys) == len(set(keys))
+        summary = json.loads((cluster.run_dir / "summary.json").read_text())
+        assert summary["learners"] == 4
+        assert summary["learner_kills"] == 1 and summary["syncer_kills"] == 1
+        assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
+        assert summary["deltas_applied"] == len(keys)
+        for plot in ("loss_vs_tokens.png", "timeline.png"):
+            assert (cluster.run_dir / "plots" / plot).stat().st_size > 0
+        logs = run(["sh", "-c", f"docker logs {cluster.project}_reporter_1 2>&1"], timeout=60)
+        assert "learners 4" in logs  # progress in `docker compose logs`
+    finally:
+        cluster.compose("down", "-v", "--remove-orphans", "-t", "10")
+        print(f"\ncluster timings: {json.dumps(TIMINGS)}")
+
+
+@pytest.mark.timeout(3600)
+def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) -> None:
+    client = docker_client()
+    joined_here = client.info().get("Swarm", {}).get("LocalNodeState") != "active"
+    had_gateway = any(n.name == "docker_gwbridge" for n in client.networks.list())
+    if joined_here:
+        run(["docker", "swarm", "init", "--advertise-addr", "127.0.0.1"], timeout=120)
+    stack = f"ddswarm{uuid.uuid4().hex[:8]}"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {
+        **CLUSTER_SETTINGS,
+        "DDILOCO_STEPS": "2000",
+        "DDILOCO_IMAGE": images.app,
+        "DDILOCO_REDIS_IMAGE": images.redis,
+        "DDILOCO_RUN_DIR": str(run_dir),
+        "DDILOCO_RUN_ID": stack,
+        "DDILOCO_SYNCER_METRICS_PORT": str(free_port()),
+        "DDILOCO_LEARNER_REPLICAS": "2",
+    }
+    started = time.monotonic()
+    try:
+        run(["docker", "stack", "deploy", "-c", str(COMPOSE_FILE), stack], env=env, timeout=300)
+
+        def rounds_closed() -> bool:
+            rounds = [e for e in read_jsonl(run_dir / "syncer.jsonl") if e["event"] == "round"]
+            learners = {name for r in rounds for name in r["learners"]}
+            return len(rounds) >= 4 and learners == {"learner-0", "learner-1"}
+
+        wait_until(rounds_closed, 900, interval_s=2, what="rounds with both swarm learners")
+        TIMINGS["swarm_rounds_s"] = round(time.monotonic() - started, 1)
+        listed = run(["docker", "stack", "services", stack, "--format", "{{json .}}"])
+        services = {json.loads(line)["Name"]: json.loads(line) for line in listed.splitlines()}
+        assert services[f"{stack}_learner"]["Replicas"] == "2/2"
+    finally:
+        run(["docker", "stack", "rm", stack], timeout=120)
+
+        def gone() -> bool:
+            labels = {"label": f"com.docker.stack.namespace={stack}"}
+            return not client.containers.list(all=True, filters=labels) and not [
+                n for n in client.networks.list() if n.name.startswith(stack)
+            ]
+
+        wait_until(gone, 300, interval_s=2, what="the stack's containers and network to go")
+        for volume in client.volumes.list(filters={"label": f"com.docker.stack.namespace={stack}"}):
+            volume.remove(force=True)
+        if joined_here:
+            run(["docker", "swarm", "leave", "--force"], timeout=120)
+            if not had_gateway:  # made by swarm init, left behind by leave
+                for network in client.networks.list(names=["docker_gwbridge"]):
+                    network.remove()
+        print(f"\ncluster timings: {json.dumps(TIMINGS)}")

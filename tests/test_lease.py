@@ -1,0 +1,246 @@
+"""Learner slots (``LearnerTransport.lease``, ``--learner-id auto``) on both
+transports, against a real redis-server and real ZeroMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import zmq
+
+from broker import wire
+from broker.connect import connect_learner, connect_syncer
+from broker.redis_common import leases_key
+from broker.settings import RunSettings
+from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, TransportError
+from broker.wire import LeaseRequest
+from compose.lease import SlotLease, shard_of
+from tests.servers import RedisServer, free_port, wait_until
+
+pytestmark = pytest.mark.integration
+RUN = "lease-test"
+# Long enough to outlast each test; a fresh ZeroMQ authority makes newcomers
+# wait half of it (holders of before reclaim their slots first).
+TTL_S = 4.0
+
+
+def zmq_url() -> str:
+    while True:  # ROUTER on port, PUB on port + 1
+        port = free_port()
+        try:
+            with zmq.Context() as ctx, ctx.socket(zmq.PUB) as s:
+                s.bind(f"tcp://127.0.0.1:{port + 1}")
+            return f"zmq://127.0.0.1:{port}"
+        except zmq.ZMQError:
+            continue
+
+
+class ZmqAuthority:
+    """A syncer-side transport pumped by a thread: the ZeroMQ lease authority."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        transport = connect_syncer(self.url, run_id=RUN, syncer_id="s", fragments=[0])
+
+        def pump() -> None:
+            while not self._stop.is_set():
+                transport.receive(0.05)
+            transport.close()
+
+        self._thread = threading.Thread(target=pump, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+@pytest.fixture(params=["redis", "zmq"])
+def broker_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "redis":
+        server = RedisServer(tmp_path / "redis")
+        server.start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+    else:
+        authority = ZmqAuthority(zmq_url())
+        authority.start()
+        try:
+            yield authority.url
+        finally:
+            authority.stop()
+
+
+def learner(url: str, name: str) -> LearnerTransport:
+    return connect_learner(url, run_id=RUN, learner_id=name, incarnation=1, num_fragments=1)
+
+
+def test_holders_get_distinct_lowest_slots_and_keep_them(broker_url: str) -> None:
+    clients = {h: learner(broker_url, h) for h in ("host-a", "host-b", "host-c")}
+    try:
+        slots = {h: t.lease(h, ttl_s=TTL_S, timeout_s=10) for h, t in clients.items()}
+        assert sorted(slots.values()) == [0, 1, 2]
+        # Renewing, or asking again after a restart (same holder), gives the same slot.
+        for h, t in clients.items():
+            assert t.lease(h, ttl_s=TTL_S, timeout_s=10) == slots[h]
+        again = learner(broker_url, "host-b")
+        assert again.lease("host-b", ttl_s=TTL_S, timeout_s=10) == slots["host-b"]
+        again.close()
+    finally:
+        for t in clients.values():
+            t.close()
+
+
+def test_an_expired_slot_goes_to_the_next_holder(broker_url: str) -> None:
+    a, b = learner(broker_url, "a"), learner(broker_url, "b")
+    try:
+        assert b.lease("b", ttl_s=TTL_S, timeout_s=10) == 0
+        assert a.lease("a", ttl_s=0.5, timeout_s=10) == 1
+        expires = time.monotonic() + 0.5
+        # a stops renewing: once its lease ran out, a newcomer takes slot 1.
+        wait_until(lambda: time.monotonic() > expires + 0.1, 5, what="a's lease to run out")
+        c = learner(broker_url, "c")
+        assert c.lease("c", ttl_s=TTL_S, timeout_s=10) == 1
+        # a comes back: its slot is taken, so it gets the lowest free one.
+        assert a.lease("a", ttl_s=TTL_S, timeout_s=10, held_slot=1) == 2
+        c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_held_slot_is_granted_when_free(broker_url: str) -> None:
+    a = learner(broker_url, "a")
+    try:
+        assert a.lease("a", ttl_s=TTL_S, timeout_s=10, held_slot=5) == 5
+        b = learner(broker_url, "b")
+        assert b.lease("b", ttl_s=TTL_S, timeout_s=10) == 0
+        b.close()
+    finally:
+        a.close()
+
+
+def test_no_authority_is_a_transport_error_within_the_timeout(tmp_path: Path) -> None:
+    for url in (f"redis://127.0.0.1:{free_port()}/0?socket_timeout_s=0.5", zmq_url()):
+        t = learner(url, "a")
+        started = time.monotonic()
+        with pytest.raises(TransportError):
+            t.lease("a", ttl_s=TTL_S, timeout_s=1.5)
+        assert time.monotonic() - started < 5
+        t.close()
+
+
+def test_redis_leases_survive_a_redis_restart(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        a = learner(server.url, "a")
+        assert a.lease("a", ttl_s=60, timeout_s=10) == 0
+        server.kill()  # SIGKILL: only the AOF survives
+        server.start()
+        b = learner(server.url, "b")
+        assert b.lease("b", ttl_s=60, timeout_s=10) == 1
+        assert a.lease("a", ttl_s=60, timeout_s=10) == 0
+        a.close()
+        b.close()
+    finally:
+        server.stop()
+
+
+def test_zmq_authority_restart_lets_holders_reclaim_first() -> None:
+    authority = ZmqAuthority(zmq_url())
+    authority.start()
+    a, b = learner(authority.url, "a"), learner(authority.url, "b")
+    try:
+        assert a.lease("a", ttl_s=TTL_S, timeout_s=10) == 0
+        authority.stop()
+        authority.start()  # a new syncer process knows no leases
+        # A newcomer gets nothing while the leases of before may still run ...
+        with pytest.raises(TransportError):
+            b.lease("b", ttl_s=TTL_S, timeout_s=TTL_S / 4)
+        # ... but a holder renewing its slot gets it back at once.
+        assert a.lease("a", ttl_s=TTL_S, timeout_s=1, held_slot=0) == 0
+        assert b.lease("b", ttl_s=TTL_S, timeout_s=10) == 1
+    finally:
+        a.close()
+        b.close()
+        authority.stop()
+
+
+def test_slot_lease_renews_and_reports_a_lost_slot(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    lost = threading.Event()
+    run = RunSettings(run_id=RUN, url=server.url, fragments=1, sync_every=1, overlap=0)
+    lease = SlotLease(run, "host-a", on_lost=lost.set, ttl_s=0.6)
+    try:
+        assert lease.take(timeout_s=10) == 0
+        wait_until(lambda: lease.renewals >= 2, 10, what="two renewals")
+        # Another holder took the slot (a partition longer than the lease):
+        # the next renewal notices, and the learner is told to stop.
+        client = redis.Redis.from_url(server.url)
+        far = int(time.time() * 1000) + 60_000
+        client.hset(leases_key(RUN), "0", f"host-b {far}")
+        wait_until(lost.is_set, 10, what="the lost slot to be reported")
+        client.close()
+    finally:
+        lease.close()
+        server.stop()
+
+
+def test_shards_wrap_round_robin() -> None:
+    assert [shard_of(s, 4) for s in range(6)] == [0, 1, 2, 3, 0, 1]
+
+
+def test_a_peer_cannot_hold_a_slot_for_ever_or_take_them_all(broker_url: str) -> None:
+    """Attack: a lease of a year, or of a slot beyond the bound, is refused by the
+    requester's transport and, sent by hand over ZeroMQ, rejected and counted by
+    the authority, which keeps granting slots to others."""
+    a = learner(broker_url, "a")
+    try:
+        with pytest.raises(ValueError, match="out of bounds"):
+            a.lease("a", ttl_s=365 * 86400.0, timeout_s=1)
+        with pytest.raises(ValueError, match="out of bounds"):
+            a.lease("a", ttl_s=TTL_S, timeout_s=1, held_slot=MAX_LEARNER_SLOTS)
+        assert a.lease("a", ttl_s=TTL_S, timeout_s=10) == 0
+    finally:
+        a.close()
+
+
+def test_the_zmq_authority_rejects_leases_out_of_bounds() -> None:
+    url = zmq_url()
+    syncer = connect_syncer(url, run_id=RUN, syncer_id="s", fragments=[0])
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(url.replace("zmq://", "tcp://"))
+    try:
+        for ttl_s, held in [(365 * 86400.0, -1), (TTL_S, MAX_LEARNER_SLOTS)]:
+            forged = LeaseRequest(run_id=RUN, holder="greedy", held_slot=held, ttl_s=ttl_s)
+            dealer.send(wire.encode(forged))
+        wait_until(
+            lambda: syncer.receive(0.05) == [] and syncer.stats.rejected["bad_lease"] == 2,
+            10,
+            what="both forged leases rejected",
+        )
+        honest = learner(url, "honest")
+        pump = threading.Thread(target=lambda: [syncer.receive(0.05) for _ in range(100)])
+        pump.start()
+        assert honest.lease("honest", ttl_s=TTL_S, timeout_s=10) == 0
+        pump.join()
+        honest.close()
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        syncer.close()
