@@ -155,22 +155,28 @@ class Codec:
         if self.quant == "bf16":
             bits = torch.frombuffer(bytearray(raw), dtype=torch.int16)
             return bits.view(torch.bfloat16).to(torch.float32)
-        # Few passes over the output, none over a repeated copy of the scales:
-        # codes are widened once into the output, then scaled per block in place.
+        # One pass over the output: codes are widened and scaled per block at once
+        # (int8 x fp32 promotes to fp32), never through a repeated copy of the scales.
         blocks = -(-numel // self.block_size)
         view = memoryview(raw)
         scales = torch.frombuffer(bytearray(view[: 4 * blocks]), dtype=torch.float32)
-        out = torch.empty(blocks * self.block_size, dtype=torch.float32)
+        body = torch.frombuffer(bytearray(view[4 * blocks :]), dtype=torch.int8)
         if self.quant == "int8":
-            out[:numel] = torch.frombuffer(bytearray(view[4 * blocks :]), dtype=torch.int8)
+            codes = body
         else:
-            body = torch.frombuffer(bytearray(view[4 * blocks :]), dtype=torch.uint8)
-            pairs = out[: 2 * body.numel()].view(-1, 2)
-            # Nibbles q + 8 in [0, 15]: back to q in int8, widened as they are stored.
-            pairs[:, 0] = (body & 0x0F).view(torch.int8) - 8
-            pairs[:, 1] = (body >> 4).view(torch.int8) - 8
-        out[numel:] = 0.0
+            # Two nibbles q + 8 in [0, 15] per byte, low first: back to q, interleaved.
+            nibbles = body.view(torch.uint8)
+            codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=1).view(torch.int8).sub_(8)
+            codes = codes.view(-1)[:numel]
         # A hostile payload may carry inf scales: the NaN that makes is refused by
         # the caller's finiteness check.
-        out.view(blocks, self.block_size).mul_(scales[:, None])
-        return out[:numel]
+        out = torch.empty(numel, dtype=torch.float32)
+        full = numel // self.block_size * self.block_size
+        torch.mul(
+            codes[:full].view(-1, self.block_size),
+            scales[: full // self.block_size, None],
+            out=out[:full].view(-1, self.block_size),
+        )
+        if full < numel:  # the last, partial block
+            torch.mul(codes[full:], scales[-1], out=out[full:])
+        return out
