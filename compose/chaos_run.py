@@ -247,7 +247,8 @@ def run_chaos(cfg: ChaosConfig) -> int:
     start = time.monotonic()
     schedule = CrashSchedule(cfg.mtbf_s, cfg.seed, start)
     log_.write("start", **{k: v for k, v in vars(cfg).items() if k != "events"})
-    restarts: dict[str, float] = {}  # name -> when to bring it back
+    # name -> when to bring it back, and what its kill recorded (role, host name)
+    restarts: dict[str, tuple[float, dict[str, Any]]] = {}
     kills = 0
 
     def finished(now: float) -> bool:
@@ -259,12 +260,15 @@ def run_chaos(cfg: ChaosConfig) -> int:
 
     while True:
         now = time.monotonic()
-        for name, at in list(restarts.items()):
+        for name, (at, killed) in list(restarts.items()):
             if now >= at or stop["now"]:  # stopped: leave nothing down
                 del restarts[name]
                 by = targets.restart(name)
                 if by is not None:
-                    log_.write("restart", target=name, by=by)
+                    # The kill's role and host name: the reporter maps a restart
+                    # to its learner as it maps the kill.
+                    same = {k: killed[k] for k in ("role", "hostname") if k in killed}
+                    log_.write("restart", target=name, by=by, **same)
         if finished(now):
             if not restarts:
                 break
@@ -275,7 +279,7 @@ def run_chaos(cfg: ChaosConfig) -> int:
                 record = targets.kill(victim)
                 kills += 1
                 log_.write("kill", target=victim, signal="SIGKILL", **record)
-                restarts[victim] = now + cfg.restart_s
+                restarts[victim] = (now + cfg.restart_s, record)
         time.sleep(_POLL_S)
     log_.write("end", kills=kills, seconds=round(time.monotonic() - start, 1))
     return 0

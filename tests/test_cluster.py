@@ -296,6 +296,7 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
         summary = json.loads((cluster.run_dir / "summary.json").read_text())
         assert summary["learners"] == 4
         assert summary["learner_kills"] == 1 and summary["syncer_kills"] == 1
+        assert summary["learner_restarts"] == 1  # the chaos restart, mapped to its learner
         assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
         assert summary["deltas_applied"] == len(keys)
         for plot in ("loss_vs_tokens.png", "timeline.png"):
