@@ -126,10 +126,11 @@ def rebased_weighted_mean(
     sum(w_m delta_m) plus, once per distinct shift tensor (deltas on one base
     share it), the sum of its deltas' weights times it."""
     w = _normalised(weights, len(deltas)).tolist()
-    out = torch.zeros_like(deltas[0], dtype=torch.float32)
+    out = torch.mul(deltas[0].to(torch.float32), w[0])  # no pass over zeros
     on_shift: dict[int, tuple[torch.Tensor, float]] = {}
-    for delta, shift, wi in zip(deltas, shifts, w, strict=True):
-        out.add_(delta, alpha=wi)
+    for i, (delta, shift, wi) in enumerate(zip(deltas, shifts, w, strict=True)):
+        if i:
+            out.add_(delta, alpha=wi)
         _, total = on_shift.get(id(shift), (shift, 0.0))
         on_shift[id(shift)] = (shift, total + wi)
     for shift, total in on_shift.values():
