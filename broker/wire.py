@@ -302,6 +302,9 @@ KINDS: dict[str, type[Message]] = {
 
 # -- encode / decode --------------------------------------------------------
 def encode(msg: Message, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> bytes:
+    """One frame. The payload (a frame can be a whole fragment) is copied once, by
+    the join, and its checksum is continued from the header's, not recomputed
+    over a concatenated copy."""
     msg.validate()
     header: dict[str, Any] = {"v": SCHEMA_VERSION, "k": msg.KIND}
     payload = b""
@@ -317,8 +320,9 @@ def encode(msg: Message, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> 
         raise WireError("too_large", f"header of {len(head)} bytes")
     if len(payload) > max_payload_bytes:
         raise WireError("too_large", f"payload of {len(payload)} > {max_payload_bytes} bytes")
-    body = _PREFIX.pack(MAGIC, len(head), len(payload)) + head + payload
-    return body + _CRC.pack(zlib.crc32(body))
+    start = _PREFIX.pack(MAGIC, len(head), len(payload)) + head
+    crc = zlib.crc32(payload, zlib.crc32(start))
+    return b"".join((start, payload, _CRC.pack(crc)))
 
 
 def decode(

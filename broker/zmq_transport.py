@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 GLOBALS_TOPIC = b"g"
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _FRAME_OVERHEAD = 64 * 1024 + 16  # header limit + prefix + checksum
+# Frames at least this big are sent zero-copy (libzmq reads the bytes object
+# itself); below it a copy is cheaper than the bookkeeping.
+_ZERO_COPY_BYTES = 64 * 1024
 _CANDIDATES_PER_FRAGMENT = 4  # globals held per fragment between two polls
 _RESYNC_FIRST_RETRY_S = 0.5  # then doubling: whole fragments must not pile up on a slow link
 _RESYNC_MAX_RETRY_S = 8.0
@@ -91,7 +94,9 @@ def _check_options(**values: int) -> None:
         require(value >= least, f"{name}={value}: must be >= {least}")
 
 
-def _decode(frame: bytes, max_message_bytes: int, stats: TransportStats) -> wire.Message | None:
+def _decode(
+    frame: bytes | memoryview, max_message_bytes: int, stats: TransportStats
+) -> wire.Message | None:
     stats.bytes_received += len(frame)
     stats.messages_received += 1
     try:
@@ -183,7 +188,9 @@ class ZmqLearnerTransport(LearnerTransport):
 
     def _try_send(self, pending: _Pending, now: float) -> None:
         try:
-            self._dealers[pending.owner].send(pending.frame, zmq.NOBLOCK)
+            self._dealers[pending.owner].send(
+                pending.frame, zmq.NOBLOCK, copy=len(pending.frame) < _ZERO_COPY_BYTES
+            )
         except zmq.Again:
             return  # no syncer connected or its queue is full: retried by poll()
         if pending.attempts:
@@ -280,10 +287,10 @@ class ZmqLearnerTransport(LearnerTransport):
                 continue
             while True:
                 try:
-                    parts = sock.recv_multipart(zmq.NOBLOCK)
+                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                msg = _decode(parts[-1], self.max_message_bytes, self.stats)
+                msg = _decode(parts[-1].buffer, self.max_message_bytes, self.stats)
                 if isinstance(msg, GlobalFragment):
                     if sock in self._dealers:  # a snapshot answer: the resync is done
                         self._awaiting.pop(msg.fragment, None)
@@ -408,14 +415,14 @@ class ZmqSyncerTransport(SyncerTransport):
             return out
         while len(out) < self.max_batch:
             try:
-                parts = self._router.recv_multipart(zmq.NOBLOCK)
+                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             if len(parts) != 2:
                 self.stats.rejected["bad_envelope"] += 1
                 continue
-            identity, frame = parts
-            msg = _decode(frame, self.max_message_bytes, self.stats)
+            identity = parts[0].bytes
+            msg = _decode(parts[1].buffer, self.max_message_bytes, self.stats)
             if msg is None:
                 continue
             if getattr(msg, "run_id", self.run_id) != self.run_id:
@@ -437,7 +444,9 @@ class ZmqSyncerTransport(SyncerTransport):
 
     def _send_to(self, identity: bytes, frame: bytes) -> None:
         try:
-            self._router.send_multipart([identity, frame], zmq.NOBLOCK)
+            self._router.send_multipart(
+                [identity, frame], zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY_BYTES
+            )
         except zmq.Again:
             return  # the learner's queue is full; it will ask again
         self.stats.bytes_sent += len(frame)
@@ -521,7 +530,9 @@ class ZmqSyncerTransport(SyncerTransport):
         frame = wire.encode(fragment, self.max_message_bytes)
         self._latest[fragment.fragment] = frame
         try:
-            self._pub.send_multipart([GLOBALS_TOPIC, frame], zmq.NOBLOCK)
+            self._pub.send_multipart(
+                [GLOBALS_TOPIC, frame], zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY_BYTES
+            )
         except zmq.Again:
             return  # PUB does not block; subscribers notice the gap
         self.stats.bytes_sent += len(frame)
