@@ -144,7 +144,9 @@ def _inputs_size(out: Path) -> int:
     return sum(p.stat().st_size for p in files if p.exists())
 
 
-def run_report(cfg: ReportConfig) -> int:
+def run_report(cfg: ReportConfig, stop: threading.Event | None = None) -> int:
+    """Report once, or with ``follow`` until ``stop`` is set (by SIGTERM or SIGINT
+    when none is given), then once more."""
     if not cfg.follow:
         summary = report(cfg)
         if summary is None:
@@ -152,15 +154,19 @@ def run_report(cfg: ReportConfig) -> int:
             return 2
         print(_progress_line(summary), flush=True)
         return 0
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if stop is None:
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
     print("ready", flush=True)
     reported_size = -1
     done_reported = False
     while True:
+        # Read before reporting: a stop that comes during a report (plots take a
+        # while) gets one more, of what the services wrote as they stopped.
+        stopping = stop.is_set()
         size = _inputs_size(Path(cfg.out))
-        if size != reported_size or stop.is_set():
+        if size != reported_size or stopping:
             summary = report(cfg)
             reported_size = size
             if summary is not None:
@@ -168,6 +174,6 @@ def run_report(cfg: ReportConfig) -> int:
                 if summary["finished"] and not done_reported:
                     print(f"run finished: summary and plots in {cfg.out}", flush=True)
                 done_reported = summary["finished"]
-        if stop.is_set():
+        if stopping:
             return 0
         stop.wait(cfg.every_s)

@@ -8,12 +8,14 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from compose import reporter
 from compose.chaos_run import ChaosConfig, CrashSchedule
-from compose.reporter import chaos_as_process_events, finished
+from compose.reporter import ReportConfig, chaos_as_process_events, finished
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,3 +97,23 @@ def test_a_run_is_finished_when_every_learner_is_done() -> None:
     done = {"event": "done", "learner": "learner-0"}
     assert not finished([]) and not finished([start])
     assert finished([start, done]) and not finished([start, done, dict(start)])
+
+
+def test_a_stop_during_a_report_gets_one_more_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The syncer's last round lands while a periodic report draws its plots, and
+    SIGTERM comes before that report ends: the reporter must report once more,
+    or summary.json misses the end of the run."""
+    stop = threading.Event()
+    calls: list[bool] = []
+
+    def slow_report(cfg: ReportConfig) -> dict[str, object] | None:
+        calls.append(stop.is_set())
+        stop.set()  # the stop arrives while this report runs
+        return None
+
+    monkeypatch.setattr(reporter, "report", slow_report)
+    cfg = ReportConfig(out=str(tmp_path), follow=True, every_s=60.0)
+    assert reporter.run_report(cfg, stop) == 0
+    assert calls == [False, True]  # the one interrupted, then the final one
