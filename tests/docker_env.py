@@ -70,6 +70,7 @@ def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 900
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
+        errors="replace",  # redis-cli prints stream entries, whose frames are binary
         timeout=timeout,
     )
     assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{proc.stderr}"
