@@ -10,7 +10,12 @@ with the live learners and step times of its :class:`Roster`.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Collection
+
+# Pace samples a member's fastest pace is taken over (heartbeats are sent every
+# step, so this is a few seconds at most of a real run).
+PACE_WINDOW = 16
 
 
 class Ema:
@@ -164,7 +169,11 @@ class Roster:
         self.created_at = now
         self.last_heard: dict[str, float] = {}
         self.step_s: dict[str, Ema] = {}
-        self.pace_s: dict[str, Ema] = {}
+        # The fastest of each member's last PACE_WINDOW pace samples: a stall (a
+        # first step that waited to join, a collection, a busy core) must not
+        # make an honest learner's next deltas look impossible, as an average
+        # that remembers it would for many samples.
+        self.pace_s: dict[str, deque[float]] = {}
         self._pace_from: dict[str, tuple[int, float]] = {}  # (step, time) pace is measured from
 
     def __contains__(self, learner: str) -> bool:
@@ -216,15 +225,16 @@ class Roster:
     ) -> bool:
         """A heartbeat; False (and nothing recorded) if ``learner`` is not on the roster.
 
-        Two step times per learner, each an average capped at the heartbeat
-        timeout (one stalled step, or a lying peer, must not stretch every grace
-        window past the time a dead learner takes to be noticed):
-        ``step_times`` from the step times it reports, for the grace window;
-        ``pace_times`` from the smaller of the reported one and its pace on this
-        clock since an earlier heartbeat (time per step over the interval), for
-        bounding its step counts: one slow step (a collection, a busy core) then
-        does not make an honest learner look slower than it is, and a restart's
-        pause does not either.
+        Two step times per learner, each capped at the heartbeat timeout (one
+        stalled step, or a lying peer, must not stretch every grace window past
+        the time a dead learner takes to be noticed): ``step_times``, an average
+        of the step times it reports, for the grace window; ``pace_times``, the
+        fastest of its last PACE_WINDOW samples of the smaller of the reported
+        one and its pace on this clock since an earlier heartbeat (time per step
+        over the interval), for bounding its step counts: slow steps (the first
+        one, which waited to join; a collection; a busy core) then do not make an
+        honest learner look slower than it is, and a restart's pause does not
+        either.
         """
         if learner not in self.members:
             return False
@@ -239,10 +249,12 @@ class Roster:
                 pace = (now - since[1]) / (step - since[0])
                 fastest = pace if fastest is None else min(fastest, pace)
                 self._pace_from[learner] = (step, now)
-        for averages, sample in ((self.step_s, reported), (self.pace_s, fastest)):
-            if sample is not None:
-                ema = averages.setdefault(learner, Ema(self.ema_alpha))
-                ema.update(min(sample, self.heartbeat_timeout_s))
+        if reported is not None:
+            ema = self.step_s.setdefault(learner, Ema(self.ema_alpha))
+            ema.update(min(reported, self.heartbeat_timeout_s))
+        if fastest is not None:
+            window = self.pace_s.setdefault(learner, deque(maxlen=PACE_WINDOW))
+            window.append(min(fastest, self.heartbeat_timeout_s))
         return True
 
     def live(self, now: float) -> set[str]:
@@ -256,7 +268,7 @@ class Roster:
 
     def pace_times(self) -> dict[str, float]:
         """Each member's fastest credible step time (see :meth:`heard`), where known."""
-        return {name: e.value for name, e in self.pace_s.items() if e.value is not None}
+        return {name: min(window) for name, window in self.pace_s.items() if window}
 
     def median_step_s(self) -> float | None:
         """The roster's typical step time (the grace window's xi_step): the median

@@ -201,6 +201,7 @@ class Syncer:
         self.deltas_clipped = 0
         self.weights_clipped = 0
         self.heartbeats_ignored = 0
+        self._unheard: dict[str, Heartbeat] = {}  # this batch's, of learners not on the roster
         self.rounds = 0
         self.merged_tokens = 0
         # After a restart, the learners the checkpoint has applied deltas of.
@@ -284,9 +285,13 @@ class Syncer:
         # Heartbeats first: a learner's pace, which bounds its deltas' step
         # counts, is then known even when its first heartbeat after a syncer
         # restart arrived in the same batch as its delta.
+        # A heartbeat of a learner not on the roster yet is kept for this batch:
+        # if its delta below makes it a member, its step time counts at once, so
+        # the batch's next deltas from it are bounded by its pace, not the floor.
+        self._unheard = {}
         for item in items:
-            if isinstance(item.message, Heartbeat):
-                self._on_heartbeat(item.message, now)
+            if isinstance(item.message, Heartbeat) and not self._on_heartbeat(item.message, now):
+                self._unheard[item.message.learner_id] = item.message
         if any(isinstance(item.message, Delta) for item in items):
             self._crash_point("after_receive")
         to_ack = [
@@ -296,6 +301,9 @@ class Syncer:
         ]
         if to_ack:
             self.transport.ack(to_ack)
+        # Not on the roster: anyone can send a heartbeat under a made-up id.
+        self.heartbeats_ignored += len(self._unheard)
+        self.metrics.heartbeats_ignored.inc(len(self._unheard))
         live = self.live_learners(now)
         step_s = self.roster.median_step_s()
         # K is fixed when given; else one less than the learners live now, so it
@@ -310,11 +318,9 @@ class Syncer:
         self.metrics.bytes_in.set(self.transport.stats.bytes_received)
         self.metrics.bytes_out.set(self.transport.stats.bytes_sent)
 
-    def _on_heartbeat(self, hb: Heartbeat, now: float) -> None:
-        if not self.roster.heard(hb.learner_id, now, hb.step_time_s, hb.step):
-            # Not on the roster: anyone can send a heartbeat under a made-up id.
-            self.heartbeats_ignored += 1
-            self.metrics.heartbeats_ignored.inc()
+    def _on_heartbeat(self, hb: Heartbeat, now: float) -> bool:
+        """Record a heartbeat; False when its learner is not on the roster."""
+        return self.roster.heard(hb.learner_id, now, hb.step_time_s, hb.step)
 
     def _reject(self, reason: str, learner: str, fragment: int, seq: int) -> None:
         self.rejected[reason] += 1
@@ -363,6 +369,9 @@ class Syncer:
             if evicted is not None:
                 log.info("%s joins the roster in place of %s (silent)", d.learner_id, evicted)
                 self.event("roster_replace", learner=d.learner_id, replaced=evicted)
+            unheard = self._unheard.pop(d.learner_id, None)
+            if unheard is not None:
+                self._on_heartbeat(unheard, now)
             return False
         if status == DUPLICATE:
             self.duplicates += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from syncer.quorum import Ema, Roster, Round, grace_window_s
+from syncer.quorum import PACE_WINDOW, Ema, Roster, Round, grace_window_s
 
 NAN = float("nan")
 
@@ -264,3 +264,19 @@ def test_pace_time_is_the_smaller_of_the_reported_one_and_the_pace() -> None:
     roster.heard("a", now=30.0, step_time_s=0.1, step=5)
     roster.heard("a", now=60.0, step_time_s=0.1, step=6)  # 30 s for one step: the report wins
     assert roster.pace_times()["a"] == pytest.approx(0.1, rel=0.05)
+
+
+def test_a_first_step_that_waited_to_join_does_not_slow_the_pace() -> None:
+    """A learner's first step includes its join (seconds); its next steps take a
+    millisecond. Its pace is the fastest recent one at once: an average that
+    remembered the first step would refuse its honest deltas as too_many_steps."""
+    roster = Roster(4, TIMEOUT, 0.0, members={"a"})
+    roster.heard("a", now=0.0, step_time_s=3.0, step=1)
+    for i in range(2, 6):
+        roster.heard("a", now=0.001 * i, step_time_s=0.001, step=i)
+    assert roster.pace_times()["a"] == pytest.approx(0.001)
+    # Samples older than the window are forgotten: a learner that slowed down
+    # is bounded by its new pace within PACE_WINDOW heartbeats.
+    for i in range(6, 6 + PACE_WINDOW):
+        roster.heard("a", now=float(i), step_time_s=0.5, step=i)
+    assert roster.pace_times()["a"] == pytest.approx(0.5)
