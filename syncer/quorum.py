@@ -257,6 +257,12 @@ class Roster:
             window.append(min(fastest, self.heartbeat_timeout_s))
         return True
 
+    def expected(self, now: float) -> set[str]:
+        """Members not silent past the heartbeat timeout: the live ones, and after
+        a restart the restored ones not yet heard from, for one timeout."""
+        timeout = self.heartbeat_timeout_s
+        return {name for name in self.members if now - self._silent_since(name) <= timeout}
+
     def live(self, now: float) -> set[str]:
         """Members heard from (heartbeat or accepted delta) within the heartbeat timeout."""
         timeout = self.heartbeat_timeout_s

@@ -307,8 +307,11 @@ class Syncer:
         live = self.live_learners(now)
         step_s = self.roster.median_step_s()
         # K is fixed when given; else one less than the learners live now, so it
-        # follows learners as they join and leave (a scaled cluster, the end of a run).
-        quorum = self.cfg.run.quorum or default_quorum(len(live))
+        # follows learners as they join and leave (a scaled cluster, the end of a
+        # run). After a restart the restored members count until they had a
+        # heartbeat timeout to speak: rounds of one delta each, while they
+        # reconnect, would set the model back.
+        quorum = self.cfg.run.quorum or default_quorum(len(self.roster.expected(now)))
         for p, state in self.states.items():
             state.round.set_quorum(quorum, now)
             if state.should_close(now, live, step_s, len(self.roster)):

@@ -154,8 +154,8 @@ def test_killed_learner_restarts_and_rejoins_without_stopping_the_others(
 def test_syncer_killed_and_restarted_learners_never_stop_nothing_applied_twice(
     tmp_path: Path, transport: list[str]
 ) -> None:
-    # Long enough (about 40 s) that the outage below is a few seconds of the run.
-    args = ["--steps", "300", "--seed", "5", *transport]
+    # Long enough (about a minute) that the outage below is a small part of the run.
+    args = ["--steps", "500", "--seed", "5", *transport]
     baseline, _ = run_local(tmp_path / "baseline", *args)
     # A wider outage than the default restart delay: learners must visibly train through it.
     summary, events = run_local(
