@@ -19,8 +19,7 @@ NO_BROKER = "none"  # the url of learners that have no syncer (data parallel und
 
 def default_quorum(learners: int) -> int:
     """K when none is given: all but one of M learners, so one straggler or one dead
-    learner never holds a round up (and at least 1). The syncer takes M to be the
-    learners live at the moment, so K follows learners as they join and leave."""
+    learner never holds a round up (and at least 1)."""
     return max(1, learners - 1)
 
 
@@ -33,7 +32,7 @@ class RunSettings:
     # Backend options travel as query parameters (zmq://h:5555?ack_timeout_s=2).
     url: str = "zmq://127.0.0.1:5555"  # the broker: zmq://HOST:PORT or redis://HOST:PORT/DB
     learners: int = 4  # M, the learners of the run
-    quorum: int = 0  # K deltas that close a round; 0: one less than the live learners, >= 1
+    quorum: int = 0  # K deltas that close a round; 0: M-1 (at least 1)
     fragments: int = 4  # P, the fragments the model is cut into
     sync_every: int = 12  # H, a multiple of P (chosen by measurement: benchmarks/README.md)
     overlap: int = 2  # tau: steps between sending a fragment and expecting its global

@@ -80,15 +80,6 @@ class Round:
         if self.quorum_at is None and len(self.reporters) >= self.quorum:
             self.quorum_at = now
 
-    def set_quorum(self, quorum: int, now: float) -> None:
-        """K follows the live learners: a lower K may reach quorum now; a
-        higher one never takes back a quorum already reached."""
-        if quorum < 1:
-            raise ValueError(f"quorum must be >= 1, got {quorum}")
-        self.quorum = quorum
-        if self.quorum_at is None and self.opened_at is not None and len(self.reporters) >= quorum:
-            self.quorum_at = now
-
     def grace_window_s(self, step_s: float | None) -> float:
         """The current window, 0 until a step time has been observed."""
         if step_s is None:
@@ -256,12 +247,6 @@ class Roster:
             window = self.pace_s.setdefault(learner, deque(maxlen=PACE_WINDOW))
             window.append(min(fastest, self.heartbeat_timeout_s))
         return True
-
-    def expected(self, now: float) -> set[str]:
-        """Members not silent past the heartbeat timeout: the live ones, and after
-        a restart the restored ones not yet heard from, for one timeout."""
-        timeout = self.heartbeat_timeout_s
-        return {name for name in self.members if now - self._silent_since(name) <= timeout}
 
     def live(self, now: float) -> set[str]:
         """Members heard from (heartbeat or accepted delta) within the heartbeat timeout."""

@@ -37,7 +37,6 @@ from prometheus_client import Counter as PromCounter
 from broker.connect import connect_syncer
 from broker.files import EventLog
 from broker.initial_model import read_initial_model
-from broker.settings import default_quorum
 from broker.transport import Inbound, SyncerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat, WireError
 from syncer.checkpoint import load_fragment, load_manifest, save_fragment, save_manifest
@@ -306,14 +305,7 @@ class Syncer:
         self.metrics.heartbeats_ignored.inc(len(self._unheard))
         live = self.live_learners(now)
         step_s = self.roster.median_step_s()
-        # K is fixed when given; else one less than the learners live now, so it
-        # follows learners as they join and leave (a scaled cluster, the end of a
-        # run). After a restart the restored members count until they had a
-        # heartbeat timeout to speak: rounds of one delta each, while they
-        # reconnect, would set the model back.
-        quorum = self.cfg.run.quorum or default_quorum(len(self.roster.expected(now)))
         for p, state in self.states.items():
-            state.round.set_quorum(quorum, now)
             if state.should_close(now, live, step_s, len(self.roster)):
                 self.close_round(p)
         self.metrics.live.set(len(live))

@@ -280,13 +280,3 @@ def test_a_first_step_that_waited_to_join_does_not_slow_the_pace() -> None:
     for i in range(6, 6 + PACE_WINDOW):
         roster.heard("a", now=float(i), step_time_s=0.5, step=i)
     assert roster.pace_times()["a"] == pytest.approx(0.5)
-
-
-def test_restored_members_are_expected_for_one_timeout_then_only_the_live() -> None:
-    """After a syncer restart the quorum counts the restored members until they
-    had a heartbeat timeout (5 s) to speak; then only those heard from."""
-    roster = Roster(4, TIMEOUT, 100.0, members={"a", "b", "c", "d"})
-    roster.heard("a", now=100.5)
-    assert roster.expected(101.0) == {"a", "b", "c", "d"} and roster.live(101.0) == {"a"}
-    roster.heard("b", now=105.5)
-    assert roster.expected(106.0) == {"b"}  # a silent 5.5 s; c, d never heard
