@@ -20,6 +20,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,22 @@ def _inputs_size(out: Path) -> int:
     return sum(p.stat().st_size for p in files if p.exists())
 
 
+def _wait_until_quiet(out: Path, quiet_s: float = 2.0, max_s: float = 20.0) -> None:
+    """Stopped: wait until no event file grew for ``quiet_s`` (at most ``max_s``,
+    within compose's 30 s stop grace). Services stopped together (``docker
+    compose down``, ``stop``) write their last events as they stop: the syncer
+    its final round, the evaluator its last evaluation."""
+    deadline = time.monotonic() + max_s
+    last, since = _inputs_size(out), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        size = _inputs_size(out)
+        if size != last:
+            last, since = size, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+
+
 def run_report(cfg: ReportConfig, stop: threading.Event | None = None) -> int:
     """Report once, or with ``follow`` until ``stop`` is set (by SIGTERM or SIGINT
     when none is given), then once more."""
@@ -165,6 +182,8 @@ def run_report(cfg: ReportConfig, stop: threading.Event | None = None) -> int:
         # Read before reporting: a stop that comes during a report (plots take a
         # while) gets one more, of what the services wrote as they stopped.
         stopping = stop.is_set()
+        if stopping:
+            _wait_until_quiet(Path(cfg.out))
         size = _inputs_size(Path(cfg.out))
         if size != reported_size or stopping:
             summary = report(cfg)
