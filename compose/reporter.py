@@ -44,7 +44,7 @@ class ReportConfig:
         check_positive("every_s", self.every_s)
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     events = []
@@ -52,7 +52,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         try:
             events.append(json.loads(line))
         except json.JSONDecodeError:
-            continue  # a line cut short by a kill
+            continue  # a line cut short by a kill, or being written
     return events
 
 
@@ -85,7 +85,7 @@ def cluster_events(out: Path) -> list[dict[str, Any]]:
     and run_end (the first and the last event) as a launcher would write them."""
     events = load_events(out)
     leases = [e for e in events if e["event"] == "lease"]
-    events += chaos_as_process_events(_read_jsonl(out / CHAOS_EVENTS), leases)
+    events += chaos_as_process_events(read_jsonl(out / CHAOS_EVENTS), leases)
     events.sort(key=lambda e: e["t"])
     if events and not any(e["event"] == "run_start" for e in events):
         events.insert(0, {"t": events[0]["t"], "event": "run_start", "mode": "decoupled"})

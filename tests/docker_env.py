@@ -13,7 +13,6 @@ removed at its end.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
+
+from compose.reporter import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_DIR = REPO / "compose"
@@ -155,18 +156,6 @@ def build_images(client: Any, timings: dict[str, float]) -> Iterator[ClusterImag
         for image in made:  # the app, its intermediate images, the offline base
             with contextlib.suppress(Exception):  # gone with an image removed before it
                 client.images.remove(image.id, force=True)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill, or being written
-    return events
 
 
 def learner_events(run_dir: Path) -> list[dict[str, Any]]:
