@@ -68,6 +68,10 @@ class AggregationParams:
     quarantine_window: int  # W: ... of the fragment's last W merged deltas
     quarantine_action: str  # "clip" an outlier to the bar or "refuse" it
     trim_per_side: int = 1  # trimmed_mean only
+    # How long a round whose every live learner reported waits for the missing
+    # ones of a quorum that never joined (learners still starting, or a run
+    # scaled to fewer learners than its quorum).
+    absent_wait_s: float = math.inf
 
 
 @dataclass
@@ -161,7 +165,7 @@ class FragmentState:
         self.momentum: torch.Tensor | None = None
         self.applied: dict[str, tuple[int, int]] = {}  # newest (incarnation, seq) merged
         self.merged_step: dict[str, int] = {}  # newest learner step merged (token accounting)
-        self.round = Round(params.quorum, params.grace_gamma, params.overlap)
+        self.round = Round(params.quorum, params.grace_gamma, params.overlap, params.absent_wait_s)
         # One contribution per (learner, base version): a newer delta on the same
         # base supersedes the older (it contains that progress); one on another
         # base does not (the learner overwrote its weights in between).

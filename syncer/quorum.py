@@ -9,6 +9,7 @@ with the live learners and step times of its :class:`Roster`.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Collection
@@ -52,18 +53,30 @@ class Round:
     The round opens with its first delta, reaches quorum with the K-th
     distinct learner, and closes at once when every live learner has
     reported, or when the grace window after quorum has passed. It never
-    closes before K learners reported, unless at least K learners were once
-    known, fewer are live now, and every live one has: a round does not wait
-    for the dead (but does wait for learners that have not started yet).
+    closes before K learners reported, unless fewer are live and every live
+    one has: at once when at least K learners were once known (a round does
+    not wait for the dead), else once it has been open ``absent_wait_s`` (it
+    waits that long for learners that have not started yet, never for ever:
+    a run scaled to fewer learners than its quorum still trains).
     """
 
-    def __init__(self, quorum: int, gamma: float, tau_steps: float, ema_alpha: float = 0.2) -> None:
+    def __init__(
+        self,
+        quorum: int,
+        gamma: float,
+        tau_steps: float,
+        absent_wait_s: float = math.inf,
+        ema_alpha: float = 0.2,
+    ) -> None:
         if quorum < 1:
             raise ValueError(f"quorum must be >= 1, got {quorum}")
         if not 0 <= gamma < 1:
             raise ValueError(f"grace gamma must be in [0, 1), got {gamma}")
         if not tau_steps >= 0:  # also refuses NaN
             raise ValueError(f"tau must be >= 0, got {tau_steps}")
+        if not absent_wait_s >= 0:
+            raise ValueError(f"absent wait must be >= 0, got {absent_wait_s}")
+        self.absent_wait_s = absent_wait_s
         self.quorum = quorum
         self.gamma = gamma
         self.tau_steps = tau_steps
@@ -102,10 +115,12 @@ class Round:
         if self.opened_at is None:
             return False
         all_live_reported = all(learner in self.reporters for learner in live)
-        if live and all_live_reported and len(live) < self.quorum <= known:
-            # K learners existed but fewer are alive now, and all of those
-            # reported: waiting for K would stall the fragment until the dead
-            # come back (or forever, at the end of a run).
+        # Fewer than K are alive and all of those reported. If K existed,
+        # waiting for K would stall the fragment until the dead come back (or
+        # forever, at the end of a run); if K never did, the missing ones may
+        # still be starting, so wait for them, but not for ever.
+        short = live and all_live_reported and len(live) < self.quorum
+        if short and (self.quorum <= known or now - self.opened_at >= self.absent_wait_s):
             return True
         deadline = self.close_at(step_s)
         if deadline is None:

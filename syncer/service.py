@@ -159,6 +159,8 @@ class Syncer:
             quarantine_window=outer.quarantine_window,
             quarantine_action=outer.quarantine_action,
             trim_per_side=outer.trim_per_side,
+            # A learner never heard is waited for as long as a silent one.
+            absent_wait_s=run.heartbeat_timeout_s,
         )
         self.states: dict[int, FragmentState] = {}
         resumed, fresh = [], []
@@ -201,6 +203,7 @@ class Syncer:
         self.weights_clipped = 0
         self.heartbeats_ignored = 0
         self._unheard: dict[str, Heartbeat] = {}  # this batch's, of learners not on the roster
+        self._warned_short_roster = False
         self.rounds = 0
         self.merged_tokens = 0
         # After a restart, the learners the checkpoint has applied deltas of.
@@ -307,11 +310,26 @@ class Syncer:
         step_s = self.roster.median_step_s()
         for p, state in self.states.items():
             if state.should_close(now, live, step_s, len(self.roster)):
+                if len(state.pending_learners) < state.params.quorum:
+                    self._warn_short_roster(state.params.quorum)
                 self.close_round(p)
         self.metrics.live.set(len(live))
         self.metrics.roster.set(len(self.roster))
         self.metrics.bytes_in.set(self.transport.stats.bytes_received)
         self.metrics.bytes_out.set(self.transport.stats.bytes_sent)
+
+    def _warn_short_roster(self, quorum: int) -> None:
+        """Once: rounds close below quorum because fewer learners joined than it."""
+        if self._warned_short_roster or len(self.roster) >= quorum:
+            return
+        self._warned_short_roster = True
+        log.warning(
+            "only %d learner(s) joined, fewer than the quorum K=%d (of M=%d learners): "
+            "each round waits %.0f s for the missing ones; set DDILOCO_LEARNERS to the "
+            "number of learners you run (or DDILOCO_QUORUM)",
+            len(self.roster), quorum, self.cfg.run.learners, self.cfg.run.heartbeat_timeout_s,
+        )  # fmt: skip
+        self.event("short_roster", roster=len(self.roster), quorum=quorum)
 
     def _on_heartbeat(self, hb: Heartbeat, now: float) -> bool:
         """Record a heartbeat; False when its learner is not on the roster."""

@@ -308,6 +308,19 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
         print(f"\ncluster timings: {json.dumps(TIMINGS)}")
 
 
+def print_swarm_state(stack: str, run_dir: Path) -> None:
+    """What a failed swarm test needs to be understood: tasks, their logs, events."""
+    print(run(["docker", "stack", "ps", "--no-trunc", stack], timeout=60))
+    listed = run(["docker", "stack", "services", stack, "--format", "{{.Name}}"], timeout=60)
+    for service in listed.split():
+        logs = run(["sh", "-c", f"docker service logs --tail 40 {service} 2>&1"], timeout=60)
+        print(f"--- {service}\n{logs}")
+    for path in sorted(run_dir.rglob("*.jsonl")):
+        print(f"--- {path.relative_to(run_dir)}: last events")
+        for event in read_jsonl(path)[-5:]:
+            print(json.dumps(event)[:400])
+
+
 @pytest.mark.timeout(3600)
 def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) -> None:
     client = docker_client()
@@ -321,6 +334,7 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
     env = {
         **CLUSTER_SETTINGS,
         "DDILOCO_STEPS": "2000",
+        "DDILOCO_LEARNERS": "2",  # M, as the README says to set it to the replicas
         "DDILOCO_IMAGE": images.app,
         "DDILOCO_REDIS_IMAGE": images.redis,
         "DDILOCO_RUN_DIR": str(run_dir),
@@ -337,7 +351,11 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
             learners = {name for r in rounds for name in r["learners"]}
             return len(rounds) >= 4 and learners == {"learner-0", "learner-1"}
 
-        wait_until(rounds_closed, 900, interval_s=2, what="rounds with both swarm learners")
+        try:
+            wait_until(rounds_closed, 900, interval_s=2, what="rounds with both swarm learners")
+        except TimeoutError:
+            print_swarm_state(stack, run_dir)
+            raise
         TIMINGS["swarm_rounds_s"] = round(time.monotonic() - started, 1)
         listed = run(["docker", "stack", "services", stack, "--format", "{{json .}}"])
         services = {json.loads(line)["Name"]: json.loads(line) for line in listed.splitlines()}

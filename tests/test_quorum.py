@@ -63,6 +63,21 @@ def test_never_closes_before_k_distinct_learners() -> None:
     assert r.reporters == {"a", "b", "c"}
 
 
+def test_waits_a_bounded_time_for_learners_that_never_joined() -> None:
+    """Fewer learners than K ever joined (a run scaled below its quorum, or
+    learners still starting): once every live one reported, the round waits
+    ``absent_wait_s`` for the others, then closes instead of stalling for ever."""
+    r = Round(quorum=3, gamma=0.5, tau_steps=2, absent_wait_s=5.0)
+    r.add("a", 10.0)
+    r.add("b", 11.0)
+    assert not r.should_close(14.9, {"a", "b"}, step_s=1.0, known=2)
+    assert r.should_close(15.0, {"a", "b"}, step_s=1.0, known=2)
+    # A live learner that has not reported yet is still waited for (by quorum).
+    assert not r.should_close(100.0, {"a", "b", "c"}, step_s=1.0, known=3)
+    with pytest.raises(ValueError, match="absent wait"):
+        Round(quorum=3, gamma=0.5, tau_steps=2, absent_wait_s=-1.0)
+
+
 def test_closes_at_once_when_all_live_reported() -> None:
     r = Round(quorum=2, gamma=0.5, tau_steps=2)
     r.add("a", 10.0)

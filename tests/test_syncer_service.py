@@ -231,9 +231,11 @@ def test_fake_heartbeats_neither_hold_a_round_open_nor_make_a_quorum(tmp_path: P
     )
     fakes = [heartbeat(f"fake-{i}", step_time_s=5.0) for i in range(10)]
     try:
-        syncer.handle([*fakes, delta_on(syncer, "a", 1, 0.1), delta_on(syncer, "b", 1, 0.1)])
+        syncer.handle(fakes)
+        clock.t = 106.0  # the fakes have gone quiet; a and b report
+        syncer.handle([delta_on(syncer, "a", 1, 0.1), delta_on(syncer, "b", 1, 0.1)])
         assert syncer.rounds == 0 and syncer.states[0].pending_learners == ["a", "b"]
-        clock.t = 107.0  # the fakes have gone quiet; a and b are alive
+        clock.t = 107.0
         syncer.handle([heartbeat("a"), heartbeat("b")])
         assert syncer.rounds == 0  # two of K = 3: no quorum
         clock.t = 108.0  # the fakes are back, and c reports
@@ -243,6 +245,32 @@ def test_fake_heartbeats_neither_hold_a_round_open_nor_make_a_quorum(tmp_path: P
         summary = syncer.summary()
         assert summary["heartbeats_ignored"] == 20 and summary["roster"] == ["a", "b", "c"]
         assert syncer.live_learners(108.0) == {"a", "b", "c"}
+    finally:
+        syncer.transport.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_run_scaled_below_its_quorum_still_merges_and_says_why(tmp_path: Path) -> None:
+    """M = 4 (K = 3) but two learners run: rounds used to wait for the third for
+    ever, so nothing was merged. Now a round whose every live learner reported
+    waits one heartbeat timeout for the missing, closes, and the syncer warns once."""
+    clock, wall = Clock(100.0), Clock(1_700_000_000.0)
+    syncer = make_syncer(tmp_path, free_port_pair(), quorum=3, learners=4, clocks=(clock, wall))
+    timeout = syncer.cfg.run.heartbeat_timeout_s
+    try:
+        syncer.handle([delta_on(syncer, "a", 1, 0.1), delta_on(syncer, "b", 1, 0.1)])
+        clock.t = 100.0 + timeout - 0.5
+        syncer.handle([heartbeat("a"), heartbeat("b")])
+        assert syncer.rounds == 0
+        clock.t = 100.0 + timeout
+        syncer.handle([heartbeat("a"), heartbeat("b")])
+        assert syncer.rounds == 1 and syncer.states[0].version == 1
+        syncer.handle([delta_on(syncer, "a", 2, 0.1), delta_on(syncer, "b", 2, 0.1)])
+        clock.t += timeout
+        syncer.handle([heartbeat("a"), heartbeat("b")])
+        assert syncer.rounds == 2
+        warnings = [e for e in events_of(tmp_path) if e["event"] == "short_roster"]
+        assert [(e["roster"], e["quorum"]) for e in warnings] == [(2, 3)]  # once
     finally:
         syncer.transport.close()
 
