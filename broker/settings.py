@@ -17,6 +17,12 @@ from broker.connect import parse_url
 NO_BROKER = "none"  # the url of learners that have no syncer (data parallel under torchrun)
 
 
+# A learner not heard from for this many heartbeat timeouts is gone for good:
+# its lease slot goes to a newcomer (compose/lease.py), and a round stops
+# waiting for learners that never joined (syncer/service.py).
+GONE_AFTER_HEARTBEATS = 3
+
+
 def default_quorum(learners: int) -> int:
     """K when none is given: all but one of M learners, so one straggler or one dead
     learner never holds a round up (and at least 1)."""

@@ -26,13 +26,12 @@ import time
 from collections.abc import Callable
 
 from broker.connect import connect_learner
-from broker.settings import RunSettings
+from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import LearnerTransport, TransportError
 
 log = logging.getLogger(__name__)
 
 AUTO_ID = "auto"  # the learner id that asks for a slot
-LEASE_HEARTBEATS = 3  # a lease lasts this many heartbeat timeouts
 _MAX_HOLDER_LEN = 64
 
 
@@ -62,7 +61,7 @@ class SlotLease:
         ttl_s: float | None = None,
     ) -> None:
         self.holder = holder
-        self.ttl_s = ttl_s if ttl_s is not None else LEASE_HEARTBEATS * run.heartbeat_timeout_s
+        self.ttl_s = ttl_s if ttl_s is not None else GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s
         self.on_lost = on_lost
         self.slot = -1
         self.renewals = 0
@@ -100,7 +99,7 @@ class SlotLease:
         return self.slot
 
     def _renew(self) -> None:
-        interval_s = self.ttl_s / LEASE_HEARTBEATS
+        interval_s = self.ttl_s / GONE_AFTER_HEARTBEATS
         while not self._stop.wait(interval_s):
             try:
                 slot = self._transport.lease(

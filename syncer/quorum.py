@@ -93,6 +93,14 @@ class Round:
         if self.quorum_at is None and len(self.reporters) >= self.quorum:
             self.quorum_at = now
 
+    def set_quorum(self, quorum: int, now: float) -> None:
+        """K changes with the learners that joined the run (see the service)."""
+        if quorum < 1:
+            raise ValueError(f"quorum must be >= 1, got {quorum}")
+        self.quorum = quorum
+        if self.quorum_at is None and self.opened_at is not None and len(self.reporters) >= quorum:
+            self.quorum_at = now
+
     def grace_window_s(self, step_s: float | None) -> float:
         """The current window, 0 until a step time has been observed."""
         if step_s is None:

@@ -37,6 +37,7 @@ from prometheus_client import Counter as PromCounter
 from broker.connect import connect_syncer
 from broker.files import EventLog
 from broker.initial_model import read_initial_model
+from broker.settings import GONE_AFTER_HEARTBEATS, default_quorum
 from broker.transport import Inbound, SyncerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat, WireError
 from syncer.checkpoint import load_fragment, load_manifest, save_fragment, save_manifest
@@ -159,8 +160,7 @@ class Syncer:
             quarantine_window=outer.quarantine_window,
             quarantine_action=outer.quarantine_action,
             trim_per_side=outer.trim_per_side,
-            # A learner never heard is waited for as long as a silent one.
-            absent_wait_s=run.heartbeat_timeout_s,
+            absent_wait_s=GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s,
         )
         self.states: dict[int, FragmentState] = {}
         resumed, fresh = [], []
@@ -203,7 +203,7 @@ class Syncer:
         self.weights_clipped = 0
         self.heartbeats_ignored = 0
         self._unheard: dict[str, Heartbeat] = {}  # this batch's, of learners not on the roster
-        self._warned_short_roster = False
+        self._short_run = False  # fewer learners joined than the quorum expects
         self.rounds = 0
         self.merged_tokens = 0
         # After a restart, the learners the checkpoint has applied deltas of.
@@ -308,28 +308,48 @@ class Syncer:
         self.metrics.heartbeats_ignored.inc(len(self._unheard))
         live = self.live_learners(now)
         step_s = self.roster.median_step_s()
+        quorum = self.quorum()
         for p, state in self.states.items():
+            state.round.set_quorum(quorum, now)
             if state.should_close(now, live, step_s, len(self.roster)):
-                if len(state.pending_learners) < state.params.quorum:
-                    self._warn_short_roster(state.params.quorum)
+                if len(state.pending_learners) < quorum and len(self.roster) < quorum:
+                    self._settle_short_run(quorum)
                 self.close_round(p)
         self.metrics.live.set(len(live))
         self.metrics.roster.set(len(self.roster))
         self.metrics.bytes_in.set(self.transport.stats.bytes_received)
         self.metrics.bytes_out.set(self.transport.stats.bytes_sent)
 
-    def _warn_short_roster(self, quorum: int) -> None:
-        """Once: rounds close below quorum because fewer learners joined than it."""
-        if self._warned_short_roster or len(self.roster) >= quorum:
+    def quorum(self) -> int:
+        """K: ``DDILOCO_QUORUM`` when set, else M - 1, where M follows the learners
+        that joined: the run's ``learners`` at first, more when more joined (a
+        scaled-up cluster needs no edit), and only those that joined once a round
+        waited for missing ones in vain (a cluster started smaller than M).
+        Learners that die are the rounds' business (they do not wait for the
+        dead); a restart keeps K, since the roster comes back with the checkpoint."""
+        run = self.cfg.run
+        joined = len(self.roster)
+        return run.quorum or default_quorum(
+            joined if self._short_run else max(run.learners, joined)
+        )
+
+    def _settle_short_run(self, quorum: int) -> None:
+        """A round closed after waiting for learners that never joined: fewer run
+        than the quorum expects. Said once; K then follows the learners that joined."""
+        if self._short_run:
             return
-        self._warned_short_roster = True
+        self._short_run = True
+        joined, run = len(self.roster), self.cfg.run
+        if run.quorum:
+            wait_s = GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s
+            advice = f"each round waits {wait_s:.0f} s for them: lower DDILOCO_QUORUM"
+        else:
+            advice = f"K is now {default_quorum(joined)}, from the learners that joined"
         log.warning(
-            "only %d learner(s) joined, fewer than the quorum K=%d (of M=%d learners): "
-            "each round waits %.0f s for the missing ones; set DDILOCO_LEARNERS to the "
-            "number of learners you run (or DDILOCO_QUORUM)",
-            len(self.roster), quorum, self.cfg.run.learners, self.cfg.run.heartbeat_timeout_s,
+            "only %d learner(s) joined, fewer than the quorum K=%d (of M=%d learners): %s",
+            joined, quorum, run.learners, advice,
         )  # fmt: skip
-        self.event("short_roster", roster=len(self.roster), quorum=quorum)
+        self.event("short_run", roster=joined, quorum=quorum)
 
     def _on_heartbeat(self, hb: Heartbeat, now: float) -> bool:
         """Record a heartbeat; False when its learner is not on the roster."""
@@ -467,6 +487,7 @@ class Syncer:
             keys=result.keys,
             clipped=result.clipped,
             weights_clipped=result.weights_clipped,
+            quorum=state.round.quorum,
             quorum_s=quorum_s,
             grace_s=grace_s,
             sync_s=sync_s,

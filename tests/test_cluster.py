@@ -333,8 +333,6 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
     run_dir.mkdir()
     env = {
         **CLUSTER_SETTINGS,
-        "DDILOCO_STEPS": "2000",
-        "DDILOCO_LEARNERS": "2",  # M, as the README says to set it to the replicas
         "DDILOCO_IMAGE": images.app,
         "DDILOCO_REDIS_IMAGE": images.redis,
         "DDILOCO_RUN_DIR": str(run_dir),
@@ -349,7 +347,12 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
         def rounds_closed() -> bool:
             rounds = [e for e in read_jsonl(run_dir / "syncer.jsonl") if e["event"] == "round"]
             learners = {name for r in rounds for name in r["learners"]}
-            return len(rounds) >= 4 and learners == {"learner-0", "learner-1"}
+            # M is 4 by default: K follows the 2 learners that joined, no edit.
+            return (
+                len(rounds) >= 4
+                and learners == {"learner-0", "learner-1"}
+                and rounds[-1]["quorum"] == 1
+            )
 
         try:
             wait_until(rounds_closed, 900, interval_s=2, what="rounds with both swarm learners")

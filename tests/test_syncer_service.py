@@ -16,7 +16,7 @@ import torch
 from prometheus_client import generate_latest
 
 from broker.codecs import Codec
-from broker.settings import RunSettings
+from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import Inbound
 from broker.wire import Delta, GlobalFragment, Heartbeat
 from broker.zmq_transport import ZmqLearnerTransport
@@ -250,27 +250,53 @@ def test_fake_heartbeats_neither_hold_a_round_open_nor_make_a_quorum(tmp_path: P
 
 
 @pytest.mark.timeout(60)
-def test_a_run_scaled_below_its_quorum_still_merges_and_says_why(tmp_path: Path) -> None:
+def test_a_cluster_started_below_its_quorum_still_merges_and_says_why(tmp_path: Path) -> None:
     """M = 4 (K = 3) but two learners run: rounds used to wait for the third for
     ever, so nothing was merged. Now a round whose every live learner reported
-    waits one heartbeat timeout for the missing, closes, and the syncer warns once."""
+    waits three heartbeat timeouts for the missing, closes, and the syncer says so
+    once; from then on K follows the learners that joined (K = 1 of 2)."""
     clock, wall = Clock(100.0), Clock(1_700_000_000.0)
-    syncer = make_syncer(tmp_path, free_port_pair(), quorum=3, learners=4, clocks=(clock, wall))
-    timeout = syncer.cfg.run.heartbeat_timeout_s
+    syncer = make_syncer(tmp_path, free_port_pair(), quorum=0, learners=4, clocks=(clock, wall))
+    wait_s = GONE_AFTER_HEARTBEATS * syncer.cfg.run.heartbeat_timeout_s
     try:
         syncer.handle([delta_on(syncer, "a", 1, 0.1), delta_on(syncer, "b", 1, 0.1)])
-        clock.t = 100.0 + timeout - 0.5
-        syncer.handle([heartbeat("a"), heartbeat("b")])
-        assert syncer.rounds == 0
-        clock.t = 100.0 + timeout
+        for t in range(101, int(100.0 + wait_s)):  # both alive and heard
+            clock.t = t
+            syncer.handle([heartbeat("a"), heartbeat("b")])
+        assert syncer.rounds == 0 and syncer.quorum() == 3
+        clock.t = 100.0 + wait_s
         syncer.handle([heartbeat("a"), heartbeat("b")])
         assert syncer.rounds == 1 and syncer.states[0].version == 1
-        syncer.handle([delta_on(syncer, "a", 2, 0.1), delta_on(syncer, "b", 2, 0.1)])
-        clock.t += timeout
-        syncer.handle([heartbeat("a"), heartbeat("b")])
+        assert syncer.quorum() == 1
+        syncer.handle([delta_on(syncer, "a", 2, 0.1)])
+        assert syncer.rounds == 2  # at once: K = 1, no grace (gamma 0)
+        warnings = [e for e in events_of(tmp_path) if e["event"] == "short_run"]
+        assert [(e["roster"], e["quorum"]) for e in warnings] == [(2, 3)]
+    finally:
+        syncer.transport.close()
+
+
+@pytest.mark.timeout(60)
+def test_quorum_follows_the_learners_that_joined(tmp_path: Path) -> None:
+    """M = 2 (K = 1) and three learners join (the roster has room for 4, as the
+    compose file gives it): K becomes 2 with no edit, so a round no longer
+    closes on one delta (with a grace window of 0 it would)."""
+    clock, wall = Clock(100.0), Clock(1_700_000_000.0)
+    syncer = make_syncer(
+        tmp_path, free_port_pair(), quorum=0, learners=2, clocks=(clock, wall),
+        outer={"max_learners": 4},  # room on the roster for more than M
+    )  # fmt: skip
+    try:
+        assert syncer.quorum() == 1
+        syncer.handle([delta_on(syncer, name, 1, 0.1) for name in ("a", "b", "c")])
+        assert syncer.rounds == 1 and syncer.quorum() == 2
+        clock.t = 101.0
+        beats = [heartbeat("a"), heartbeat("b"), heartbeat("c")]
+        syncer.handle([*beats, delta_on(syncer, "a", 2, 0.1)])
+        assert syncer.rounds == 1  # one of K = 2
+        clock.t = 101.5
+        syncer.handle([delta_on(syncer, "b", 2, 0.1)])
         assert syncer.rounds == 2
-        warnings = [e for e in events_of(tmp_path) if e["event"] == "short_roster"]
-        assert [(e["roster"], e["quorum"]) for e in warnings] == [(2, 3)]  # once
     finally:
         syncer.transport.close()
 
