@@ -321,17 +321,16 @@ class Syncer:
         self.metrics.bytes_out.set(self.transport.stats.bytes_sent)
 
     def quorum(self) -> int:
-        """K: ``DDILOCO_QUORUM`` when set, else M - 1, where M follows the learners
-        that joined: the run's ``learners`` at first, more when more joined (a
-        scaled-up cluster needs no edit), and only those that joined once a round
-        waited for missing ones in vain (a cluster started smaller than M).
-        Learners that die are the rounds' business (they do not wait for the
-        dead); a restart keeps K, since the roster comes back with the checkpoint."""
+        """K: ``DDILOCO_QUORUM`` when set, else M - 1, with M the run's learners
+        until a round waited for missing ones in vain (a cluster started with
+        fewer), then the learners that joined, as they join, up to the run's.
+        Never more: anyone can join the roster under made-up ids, and a K they
+        raised would hold every round for reports they never send. Learners that
+        die are the rounds' business (they do not wait for the dead); a restart
+        keeps K, since the roster comes back with the checkpoint."""
         run = self.cfg.run
-        joined = len(self.roster)
-        return run.quorum or default_quorum(
-            joined if self._short_run else max(run.learners, joined)
-        )
+        learners = min(len(self.roster), run.learners) if self._short_run else run.learners
+        return run.quorum or default_quorum(learners)
 
     def _settle_short_run(self, quorum: int) -> None:
         """A round closed after waiting for learners that never joined: fewer run
@@ -344,7 +343,7 @@ class Syncer:
             wait_s = GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s
             advice = f"each round waits {wait_s:.0f} s for them: lower DDILOCO_QUORUM"
         else:
-            advice = f"K is now {default_quorum(joined)}, from the learners that joined"
+            advice = f"K is now {self.quorum()}, and follows the learners that join"
         log.warning(
             "only %d learner(s) joined, fewer than the quorum K=%d (of M=%d learners): %s",
             joined, quorum, run.learners, advice,

@@ -277,26 +277,27 @@ def test_a_cluster_started_below_its_quorum_still_merges_and_says_why(tmp_path: 
 
 
 @pytest.mark.timeout(60)
-def test_quorum_follows_the_learners_that_joined(tmp_path: Path) -> None:
-    """M = 2 (K = 1) and three learners join (the roster has room for 4, as the
-    compose file gives it): K becomes 2 with no edit, so a round no longer
-    closes on one delta (with a grace window of 0 it would)."""
+def test_made_up_ids_on_the_roster_cannot_raise_the_quorum(tmp_path: Path) -> None:
+    """Attack: ten made-up ids each get one delta accepted (the roster has room
+    for 64, as the compose file gives it), then only send heartbeats. Had K
+    followed the roster up (M = 13, K = 12), every round would wait for their
+    reports for ever: they are live and never report. K stays M - 1 = 3, so the
+    honest learners' round closes at their quorum."""
     clock, wall = Clock(100.0), Clock(1_700_000_000.0)
     syncer = make_syncer(
-        tmp_path, free_port_pair(), quorum=0, learners=2, clocks=(clock, wall),
-        outer={"max_learners": 4},  # room on the roster for more than M
+        tmp_path, free_port_pair(), quorum=0, learners=4, clocks=(clock, wall),
+        outer={"max_learners": 64},
     )  # fmt: skip
+    fakes = [f"fake-{i}" for i in range(10)]
     try:
-        assert syncer.quorum() == 1
-        syncer.handle([delta_on(syncer, name, 1, 0.1) for name in ("a", "b", "c")])
-        assert syncer.rounds == 1 and syncer.quorum() == 2
+        syncer.handle([delta_on(syncer, name, 1, 0.1) for name in fakes])
+        assert len(syncer.roster) == 10 and syncer.quorum() == 3
+        rounds = syncer.rounds
         clock.t = 101.0
-        beats = [heartbeat("a"), heartbeat("b"), heartbeat("c")]
-        syncer.handle([*beats, delta_on(syncer, "a", 2, 0.1)])
-        assert syncer.rounds == 1  # one of K = 2
-        clock.t = 101.5
-        syncer.handle([delta_on(syncer, "b", 2, 0.1)])
-        assert syncer.rounds == 2
+        beats = [heartbeat(name) for name in fakes]
+        honest = [delta_on(syncer, name, 1, 0.1) for name in ("a", "b", "c")]
+        syncer.handle([*beats, *honest])
+        assert syncer.quorum() == 3 and syncer.rounds == rounds + 1  # at once: grace 0
     finally:
         syncer.transport.close()
 
