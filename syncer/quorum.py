@@ -57,7 +57,8 @@ class Round:
     one has: at once when at least K learners were once known (a round does
     not wait for the dead), else once it has been open ``absent_wait_s`` (it
     waits that long for learners that have not started yet, never for ever:
-    a run scaled to fewer learners than its quorum still trains).
+    a run scaled to fewer learners than its quorum still trains). With no
+    learner live at all it closes at once.
     """
 
     def __init__(
@@ -122,6 +123,10 @@ class Round:
         The service passes the roster's (:class:`Roster`), never raw heartbeats."""
         if self.opened_at is None:
             return False
+        if not live:
+            # Every learner went silent (they finished, or were stopped): none
+            # is coming to complete the round, so merge what arrived.
+            return True
         all_live_reported = all(learner in self.reporters for learner in live)
         # Fewer than K are alive and all of those reported. If K existed,
         # waiting for K would stall the fragment until the dead come back (or

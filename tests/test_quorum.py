@@ -78,6 +78,16 @@ def test_waits_a_bounded_time_for_learners_that_never_joined() -> None:
         Round(quorum=3, gamma=0.5, tau_steps=2, absent_wait_s=-1.0)
 
 
+def test_closes_when_every_learner_went_silent() -> None:
+    """The learners were stopped with a round short of quorum: it used to hold
+    its deltas (unacknowledged) until the syncer itself stopped."""
+    r = Round(quorum=3, gamma=0.5, tau_steps=2)
+    r.add("a", 10.0)
+    assert not r.should_close(11.0, {"a", "b", "c"}, step_s=1.0, known=3)
+    assert r.should_close(30.0, set(), step_s=1.0, known=3)
+    assert not Round(quorum=3, gamma=0.5, tau_steps=2).should_close(30.0, set(), step_s=1.0)
+
+
 def test_closes_at_once_when_all_live_reported() -> None:
     r = Round(quorum=2, gamma=0.5, tau_steps=2)
     r.add("a", 10.0)
