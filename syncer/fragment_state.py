@@ -283,9 +283,16 @@ class FragmentState:
     def close_at(self, step_s: float | None) -> float | None:
         return self.round.close_at(step_s)
 
-    def close(self, wall_s: float) -> RoundResult:
+    def close(self, wall_s: float, learners: int = 0) -> RoundResult:
         """Merge the round into a new version. The caller makes it durable, then
         publishes ``payload`` and acks ``refs``, then calls :meth:`round_done`.
+
+        ``learners``: the deltas of a full round (M, or the live learners when
+        fewer). A round of n fewer takes n/M of an outer step, so that every
+        learner's delta, in whatever rounds, moves the model as far as one
+        synchronous round of all M would: a full step per round of one delta
+        (K = 1 at M = 2) pulled the model to each learner in turn and, with
+        outer momentum, diverged. 0: a full step whatever n.
 
         First the quarantine: a delta whose norm per step is above the bar
         (:func:`syncer.trust.quarantine_bar`) is scaled down to it or refused.
@@ -305,6 +312,8 @@ class FragmentState:
             )
         weights = clip_weights([c.weight for c in kept], self.params.weight_clip)
         merged = self._merge(kept, weights)
+        if 0 < len(kept) < learners:
+            merged = merged * (len(kept) / learners)
         master, momentum = nesterov_step(
             self.master, merged, self.momentum, self.params.outer_lr, self.params.outer_momentum
         )

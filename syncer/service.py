@@ -321,16 +321,26 @@ class Syncer:
         self.metrics.bytes_out.set(self.transport.stats.bytes_sent)
 
     def quorum(self) -> int:
-        """K: ``DDILOCO_QUORUM`` when set, else M - 1, with M the run's learners
-        until a round waited for missing ones in vain (a cluster started with
-        fewer), then the learners that joined, as they join, up to the run's.
-        Never more: anyone can join the roster under made-up ids, and a K they
-        raised would hold every round for reports they never send. Learners that
-        die are the rounds' business (they do not wait for the dead); a restart
-        keeps K, since the roster comes back with the checkpoint."""
+        """K: ``DDILOCO_QUORUM`` when set, else M - 1 (see :meth:`learners`).
+        Learners that die are the rounds' business (they do not wait for the
+        dead); a restart keeps K, since the roster comes back with the checkpoint."""
+        return self.cfg.run.quorum or default_quorum(self.learners())
+
+    def learners(self) -> int:
+        """M, which sets K and how far a round of fewer than M deltas moves the
+        model: the run's learners until a round waited for missing ones in vain
+        (a cluster started with fewer), then the learners that joined, as they
+        join, up to the run's. Never more: anyone can join the roster under
+        made-up ids, and a K they raised would hold every round for reports
+        they never send."""
         run = self.cfg.run
-        learners = min(len(self.roster), run.learners) if self._short_run else run.learners
-        return run.quorum or default_quorum(learners)
+        return min(len(self.roster), run.learners) if self._short_run else run.learners
+
+    def _expected_deltas(self, now: float) -> int:
+        """How many deltas make a full round: M, or the live learners when fewer
+        are live (the dead do not shrink every round's step for ever)."""
+        live = len(self.live_learners(now))
+        return min(self.learners(), live) if live else self.learners()
 
     def _settle_short_run(self, quorum: int) -> None:
         """A round closed after waiting for learners that never joined: fewer run
@@ -440,7 +450,7 @@ class Syncer:
             quorum_s = state.round.quorum_at - state.round.opened_at
         grace_s = state.round.grace_window_s(self.roster.median_step_s())
         try:
-            result = state.close(self.wall_clock())
+            result = state.close(self.wall_clock(), self._expected_deltas(started))
         except RoundOverflow as e:
             log.error("%s: refusing its %d deltas", e, len(e.refs))
             for ref in e.refs:

@@ -145,6 +145,23 @@ def expected_round1(w0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- one round, exact codec ----------------------------------------------------
+def test_a_round_of_fewer_than_m_deltas_takes_their_share_of_a_step() -> None:
+    """Three deltas of M = 4: 3/4 of the step a round of all four would take
+    (the same merged mean). M = 0 (the default) or a full round: a full step."""
+    w0 = np.asarray(W0, dtype=np.float64)
+    new, buf = expected_round1(w0)
+    full = FragmentState(0, f32(W0), params(), published_s=T0)
+    offer_round1(full)
+    full.close(T1, learners=3)
+    np.testing.assert_allclose(np64(full.weights), new, rtol=0, atol=2e-6)
+    share = FragmentState(0, f32(W0), params(), published_s=T0)
+    offer_round1(share)
+    share.close(T1, learners=4)
+    np.testing.assert_allclose(np64(share.weights), w0 - 0.75 * (w0 - new), rtol=0, atol=2e-6)
+    assert share.momentum is not None
+    np.testing.assert_allclose(np64(share.momentum), 0.75 * buf, rtol=0, atol=2e-6)
+
+
 def test_round_of_three_matches_numpy_fp32() -> None:
     state = FragmentState(0, f32(W0), params(), published_s=T0)
     assert state.version == 0
