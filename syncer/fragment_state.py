@@ -312,7 +312,7 @@ class FragmentState:
             )
         weights = clip_weights([c.weight for c in kept], self.params.weight_clip)
         merged = self._merge(kept, weights)
-        if 0 < len(kept) < learners:
+        if len(kept) < learners:  # kept is not empty here
             merged = merged * (len(kept) / learners)
         master, momentum = nesterov_step(
             self.master, merged, self.momentum, self.params.outer_lr, self.params.outer_momentum

@@ -132,7 +132,7 @@ class Round:
         # waiting for K would stall the fragment until the dead come back (or
         # forever, at the end of a run); if K never did, the missing ones may
         # still be starting, so wait for them, but not for ever.
-        short = live and all_live_reported and len(live) < self.quorum
+        short = all_live_reported and len(live) < self.quorum
         if short and (self.quorum <= known or now - self.opened_at >= self.absent_wait_s):
             return True
         deadline = self.close_at(step_s)
