@@ -97,6 +97,8 @@ class RoundResult:
     refs: list[Any]  # everything to acknowledge once the new state is durable
     learners: list[str] = field(default_factory=list)
     keys: list[tuple[str, int, int]] = field(default_factory=list)  # (learner, incarnation, seq)
+    # Per merged delta, the learner steps it covers: (learner, first, last], as sent.
+    spans: list[tuple[str, int, int]] = field(default_factory=list)
     # Quarantine on close: deltas scaled down to the bar, and deltas refused
     # (their refs are in ``refs`` too, to ack). Weights capped by the clip.
     clipped: list[tuple[str, int, int]] = field(default_factory=list)
@@ -335,6 +337,7 @@ class FragmentState:
             refs,
             sorted({c.learner for c in kept}),
             [self._key(c) for c in kept],
+            spans=[(c.learner, c.step - c.c_steps, c.step) for c in kept],
             clipped=[self._key(c) for c in clipped],
             refused=[self._key(c) for c in refused],
             weights_clipped=sum(w < c.weight for w, c in zip(weights, kept, strict=True)),

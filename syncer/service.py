@@ -494,6 +494,7 @@ class Syncer:
             tokens=result.tokens,
             learners=result.learners,
             keys=result.keys,
+            spans=result.spans,
             clipped=result.clipped,
             weights_clipped=result.weights_clipped,
             quorum=state.round.quorum,
