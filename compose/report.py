@@ -28,6 +28,7 @@ SUMMARY_KEYS = (
     "learner_kills",
     "learner_restarts",
     "goodput",
+    "goodput_time",
     "uptime",
 )
 
@@ -121,17 +122,24 @@ def summarise(
     curve = eval_curve(events)
     rounds = [e for e in events if e["event"] == "round"]
 
-    # Per learner incarnation, the last cumulative counters it reported.
+    # Per learner incarnation, the last cumulative counters it reported, and
+    # where (time, step) it started and last said how far it got.
     last: dict[tuple[str, int], dict[str, Any]] = {}
-    tokens_per_step: list[float] = []
+    started: dict[tuple[str, int], tuple[float, int]] = {}
+    reached: dict[tuple[str, int], tuple[float, int]] = {}
     rates: dict[str, list[float]] = defaultdict(list)
     for e in events:
-        if e["event"] in ("step", "done") and "learner" in e:
-            last[(e["learner"], e["incarnation"])] = e
+        if "learner" not in e or "incarnation" not in e:
+            continue
+        key = (e["learner"], e["incarnation"])
+        if e["event"] in ("step", "done"):
+            last[key] = e
+        if e["event"] == "start":
+            started[key] = (e["t"], int(e.get("step", 0)))
+        elif e["event"] in ("step", "train_end") and "step" in e:
+            reached[key] = (e["t"], int(e["step"]))
         if e["event"] == "step" and e.get("steps_per_s"):
             rates[e["learner"]].append(e["steps_per_s"])
-            if e["step"]:
-                tokens_per_step.append(e["tokens"] / e["step"])
     per_learner_tokens: dict[str, int] = defaultdict(int)
     for (name, _), e in last.items():
         per_learner_tokens[name] = max(per_learner_tokens[name], int(e.get("tokens", 0)))
@@ -146,15 +154,27 @@ def summarise(
     )
 
     # Goodput: tokens that reached the global model over what the learners would
-    # have trained at their undisturbed speed while the run lasted. Every delta
-    # covers its learner's tokens once per fragment, hence the division by P.
-    tps = statistics.median(tokens_per_step) if tokens_per_step else 0.0
+    # have trained, at their own speed, had nothing stopped them from their first
+    # start to their finish. A learner's speed is the steps it ran over the time
+    # it ran them, from each incarnation's start to its last report (steps it ran
+    # again after a restart count: they took time). Every delta covers its
+    # learner's tokens once per fragment, hence the division by P.
     undisturbed = 0.0
+    kept_s = 0.0  # time spent on steps that were kept (not run again after a restart)
+    window_s = 0.0
     for name, learner_spans in spans.items():
-        first = min(s for s, _ in learner_spans)
-        finish = max(e for _, e in learner_spans)
-        rate = statistics.median(rates[name]) if rates.get(name) else 0.0
-        undisturbed += rate * tps * (finish - first)
+        runs = [(started[k], reached[k]) for k in started if k[0] == name and k in reached]
+        ran_steps = sum(step - from_step for (_, from_step), (_, step) in runs)
+        ran_s = sum(t - from_t for (from_t, _), (t, _) in runs)
+        if ran_steps <= 0 or ran_s <= 0:
+            continue
+        steps_per_s = ran_steps / ran_s
+        furthest = max(step for _, (_, step) in runs)
+        tokens_per_step = per_learner_tokens[name] / furthest
+        window = max(e for _, e in learner_spans) - min(s for s, _ in learner_spans)
+        undisturbed += steps_per_s * tokens_per_step * window
+        kept_s += (furthest - min(from_step for (_, from_step), _ in runs)) / steps_per_s
+        window_s += window
     useful = float(tokens_total) if mode == "ddp" else sum(e["tokens"] for e in rounds) / fragments
     goodput = useful / undisturbed if undisturbed > 0 else 0.0
 
@@ -189,6 +209,7 @@ def summarise(
         "learner_restarts": sum(1 for e in restarts if e["process"].startswith("learner")),
         "syncer_kills": sum(1 for e in kills if e["process"] == "syncer"),
         "goodput": round(goodput, 4),
+        "goodput_time": round(kept_s / window_s, 4) if window_s > 0 else 0.0,
         "uptime": round(uptime, 4),
         "merged_tokens": useful,
         "mean_steps_per_s": round(statistics.mean(statistics.median(r) for r in rates.values()), 3)

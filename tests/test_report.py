@@ -47,7 +47,7 @@ def run_events() -> list[Event]:
          "tokens": 3000, "learners": ["learner-0", "learner-1"],
          "keys": [["learner-0", 0, 0], ["learner-1", 0, 0]]},
         {"t": 2.8, "event": "reject", "reason": "stale", "learner": "learner-1", "fragment": 1},
-        {"t": 3.0, "event": "train_end", "learner": "learner-1"},
+        {"t": 3.0, "event": "train_end", "learner": "learner-1", "incarnation": 0, "step": 25},
         {"t": 3.0, "event": "done", "learner": "learner-1", "incarnation": 0, "steps": 25,
          "tokens": 2500, "bytes_sent": 300, "bytes_received": 120},
         step(3.0, "learner-0", 0, 20, 2000, 10.0, 200, 100),
@@ -63,7 +63,7 @@ def run_events() -> list[Event]:
         step(6.5, "learner-0", 1, 30, 3000, 10.0, 80, 40),
         {"t": 7.0, "event": "round", "fragment": 0, "version": 2, "included": 1,
          "tokens": 2500, "learners": ["learner-0"], "keys": [["learner-0", 1, 0]]},
-        {"t": 7.5, "event": "train_end", "learner": "learner-0"},
+        {"t": 7.5, "event": "train_end", "learner": "learner-0", "incarnation": 1, "step": 40},
         {"t": 7.5, "event": "done", "learner": "learner-0", "incarnation": 1, "steps": 40,
          "tokens": 4000, "bytes_sent": 160, "bytes_received": 90},
         {"t": 7.6, "event": "process_kill", "process": "learner-1", "reason": "shutdown"},
@@ -99,10 +99,15 @@ def test_summary_by_hand() -> None:
     # Union 3 + 2 = 5 over the span 7.5 - 1 = 6.5.
     assert s["uptime"] == round(5 / 6.5, 4)
     # Goodput: merged tokens per fragment (3000 + 2000 + 2500) / 2 = 3750, over
-    # undisturbed = median rate x median tokens/step x span, per learner:
-    # learner-0: 10 x 100 x 6.5 = 6500; learner-1: median(8, 12) = 10 x 100 x 2 = 2000.
+    # undisturbed = steps/s x tokens/step x span from first start to finish, per
+    # learner. learner-0 ran 20 steps in 1..3 (its last report before the kill)
+    # and 20 in 5.5..7.5: 10 steps/s x 100 x 6.5 = 6500; learner-1 ran 25 steps
+    # in 1..3: 12.5 x 100 x 2 = 2500.
     assert s["merged_tokens"] == 3750
-    assert s["goodput"] == round(3750 / 8500, 4)
+    assert s["goodput"] == round(3750 / 9000, 4)
+    # The paper's, by time: the time spent on steps kept (40 / 10 + 25 / 12.5)
+    # over the spans (6.5 + 2).
+    assert s["goodput_time"] == round(6 / 8.5, 4)
     assert s["mean_steps_per_s"] == 10.0
     assert json.loads(json.dumps(s)) == s  # what summary.json will hold
 
@@ -121,7 +126,7 @@ def test_the_eval_curve_places_each_evaluation_by_the_tokens_trained_by_then() -
 def test_ddp_goodput_counts_trained_tokens() -> None:
     s = summarise(run_events(), mode="ddp", learners=2, steps=40, fragments=2)
     assert s["merged_tokens"] == 6500
-    assert s["goodput"] == round(6500 / 8500, 4)
+    assert s["goodput"] == round(6500 / 9000, 4)
 
 
 def test_goodput_is_not_capped() -> None:
@@ -142,8 +147,23 @@ def test_uptime_is_one_without_a_gap() -> None:
     events.sort(key=lambda e: e["t"])
     s = summarise(events, mode="decoupled", learners=2, steps=40, fragments=2)
     assert s["uptime"] == 1.0
-    # learner-1's undisturbed span is now 5 s: 10 x 100 x 5 = 5000.
-    assert s["goodput"] == round(3750 / (6500 + 5000), 4)
+    # learner-1 ran its 25 steps over 5 s, no faster: 5 x 100 x 5, the same 2500
+    # tokens as before; a slower learner is not a disturbed one.
+    assert s["goodput"] == round(3750 / 9000, 4)
+
+
+def test_steps_run_again_after_a_restart_take_time_and_are_not_kept() -> None:
+    """learner-0's second incarnation starts from its checkpoint at step 10, not
+    20: it runs steps 11..20 again."""
+    events = run_events()
+    for e in events:
+        if e["event"] == "start" and e["learner"] == "learner-0" and e["incarnation"] == 1:
+            e["step"] = 10
+    s = summarise(events, mode="decoupled", learners=2, steps=40, fragments=2)
+    # learner-0 ran 20 + 30 steps in 2 + 2 s: 12.5 steps/s x 100 x 6.5 = 8125.
+    assert s["goodput"] == round(3750 / (8125 + 2500), 4)
+    # It kept 40 of them: 40 / 12.5 = 3.2 s; learner-1 2 s.
+    assert s["goodput_time"] == round(5.2 / 8.5, 4)
 
 
 def test_summary_without_evals_or_run_end() -> None:
