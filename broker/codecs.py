@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import io
 import sys
+import warnings
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, TypeAlias, cast
 
 import lz4.frame
 import numpy as np
@@ -27,10 +28,14 @@ Quant = Literal["fp32", "bf16", "int8", "int4"]
 Lossless = Literal["none", "zstd", "lz4"]
 QUANTS: tuple[Quant, ...] = ("fp32", "bf16", "int8", "int4")
 LOSSLESS: tuple[Lossless, ...] = ("none", "zstd", "lz4")
+Buffer: TypeAlias = bytes | bytearray | memoryview  # what decodes: wire payloads are any of them
 DEFAULT_BLOCK_SIZE = 64
 if sys.byteorder != "little":  # decoding views the little-endian wire bytes as they are
     raise ImportError("ddiloco's codecs need a little-endian machine")
 _QMAX = {"int8": 127, "int4": 7}
+# Values decoded per chunk: small enough that a chunk's codes, widened, are still
+# in the cache when they are scaled.
+_CHUNK_VALUES = 1 << 16
 
 
 class CodecError(ValueError):
@@ -100,15 +105,28 @@ class Codec:
             return cast(bytes, lz4.frame.compress(raw))
         return raw
 
-    def decode(self, data: bytes, numel: int) -> torch.Tensor:
-        """Decode ``numel`` fp32 values; every size is checked before use."""
+    def decode(self, data: Buffer, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode ``numel`` fp32 values; every size is checked before use.
+
+        ``out``: a contiguous fp32 tensor of ``numel`` values to decode into
+        (returned), so that a caller decoding fragment after fragment reuses
+        memory already paged in instead of faulting in a new tensor each time.
+        """
+        if out is not None and (
+            out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous()
+        ):
+            raise ValueError(f"out must be a contiguous fp32 tensor of {numel} values")
         expected = self.quantised_size(numel)
         raw = self._decompress(data, expected)
-        if len(raw) != expected:
-            raise CodecError(f"{self.name}: {numel} values need {expected} bytes, got {len(raw)}")
-        return self._dequantise(raw, numel)
+        size = memoryview(raw).nbytes
+        if size != expected:
+            raise CodecError(f"{self.name}: {numel} values need {expected} bytes, got {size}")
+        if out is None:
+            out = torch.empty(numel, dtype=torch.float32)
+        self._dequantise(raw, out.view(-1))
+        return out
 
-    def _decompress(self, data: bytes, expected: int) -> bytes:
+    def _decompress(self, data: Buffer, expected: int) -> Buffer:
         if self.lossless == "none":
             return data
         # Read at most expected + 1 bytes so a decompression bomb cannot
@@ -147,33 +165,56 @@ class Codec:
         packed = nibbles[0::2] | (nibbles[1::2] << 4)
         return scales_bytes + packed.astype(np.uint8).tobytes()
 
-    def _dequantise(self, raw: bytes, numel: int) -> torch.Tensor:
+    def _dequantise(self, raw: Buffer, out: torch.Tensor) -> torch.Tensor:
+        numel = out.numel()
         if numel == 0:
-            return torch.empty(0, dtype=torch.float32)
+            return out
         if self.quant == "fp32":
-            return torch.frombuffer(bytearray(raw), dtype=torch.float32)
+            return out.copy_(_wire_view(raw, torch.float32, 0, numel))
         if self.quant == "bf16":
-            bits = torch.frombuffer(bytearray(raw), dtype=torch.int16)
-            return bits.view(torch.bfloat16).to(torch.float32)
+            return out.copy_(_wire_view(raw, torch.int16, 0, numel).view(torch.bfloat16))
         # Codes widened into the output, then scaled per block in place: never a
         # repeated copy of the scales (a mixed int8 x fp32 multiply is 4x slower).
-        blocks = -(-numel // self.block_size)
-        view = memoryview(raw)
-        scales = torch.frombuffer(bytearray(view[: 4 * blocks]), dtype=torch.float32)
-        body = torch.frombuffer(bytearray(view[4 * blocks :]), dtype=torch.int8)
-        if self.quant == "int8":
-            codes = body
-        else:
-            # Two nibbles q + 8 in [0, 15] per byte, low first: back to q, interleaved.
-            nibbles = body.view(torch.uint8)
-            codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=1).view(torch.int8).sub_(8)
-            codes = codes.view(-1)[:numel]
-        out = torch.empty(numel, dtype=torch.float32)
-        out.copy_(codes)
-        # A hostile payload may carry inf scales: the NaN that makes is refused by
-        # the caller's finiteness check.
-        full = numel // self.block_size * self.block_size
-        out[:full].view(-1, self.block_size).mul_(scales[: full // self.block_size, None])
-        if full < numel:  # the last, partial block
-            out[full:].mul_(scales[-1])
+        # Chunk by chunk, so the scaling finds the widened values in the cache.
+        block = self.block_size
+        blocks = -(-numel // block)
+        scales = _wire_view(raw, torch.float32, 0, blocks)
+        body = _wire_view(raw, torch.uint8, 4 * blocks, memoryview(raw).nbytes - 4 * blocks)
+        chunk = _CHUNK_VALUES // block * block
+        if self.quant == "int4":
+            pairs = torch.empty(chunk // 2, dtype=torch.int16)
+            high = torch.empty(chunk // 2, dtype=torch.int16)
+        for start in range(0, numel, chunk):
+            piece = out[start : start + chunk]
+            n = piece.numel()
+            if self.quant == "int8":
+                piece.copy_(body[start : start + n].view(torch.int8))
+            else:
+                # Two nibbles q + 8 in [0, 15] per byte b = low + 16 high: as int16,
+                # b + 240 high = low + 256 high puts them in two bytes, low first
+                # (little endian), interleaved as the values are; then back to q.
+                # Every step is contiguous, so vectorised.
+                packed = body[start // 2 : (start + n + 1) // 2]
+                m = packed.numel()
+                both = pairs[:m].copy_(packed)
+                both.add_(torch.bitwise_right_shift(both, 4, out=high[:m]), alpha=240)
+                piece.copy_(both.view(torch.int8)[:n].sub_(8))
+            # A hostile payload may carry inf scales: the NaN that makes is refused by
+            # the caller's finiteness check.
+            full = n // block * block
+            first = start // block
+            piece[:full].view(-1, block).mul_(scales[first : first + full // block, None])
+            if full < n:  # the last, partial block
+                piece[full:].mul_(scales[-1])
         return out
+
+
+def _wire_view(raw: Buffer, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    """``count`` values of ``dtype`` at byte ``offset`` of ``raw``, without a copy.
+
+    Only ever read: torch warns that a read-only buffer (``bytes``) could be
+    written through the tensor, which is why the warning is silenced here.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(raw, dtype=dtype, offset=offset, count=count)

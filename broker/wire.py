@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from broker.codecs import Codec, CodecError
+from broker.codecs import Buffer, Codec, CodecError
 
 SCHEMA_VERSION = 2  # 2: globals carry their syncer epoch, deltas their base's
 MAGIC = b"DDL1"
@@ -136,7 +136,7 @@ class _TensorMessage(Message):
     # here, and every later size check and decode uses the parsed object.
     codec: Codec = Codec()
     numel: int = 0
-    payload: bytes = field(default=b"", repr=False)
+    payload: Buffer = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.codec, str):
@@ -158,10 +158,10 @@ class _TensorMessage(Message):
                 "bad_size", f"{self.codec} payload of {self.numel} values must be {expected} bytes"
             )
 
-    def tensor(self) -> Any:
-        """Decode the payload to a flat fp32 tensor."""
+    def tensor(self, out: Any = None) -> Any:
+        """Decode the payload to a flat fp32 tensor (into ``out`` if given)."""
         try:
-            return self.codec.decode(bytes(self.payload), self.numel)
+            return self.codec.decode(self.payload, self.numel, out)
         except CodecError as e:
             raise WireError("bad_payload", str(e)) from None
 

@@ -77,6 +77,17 @@ def max_abs(x: torch.Tensor) -> float:
     return max(-lo, hi)
 
 
+def magnitude_below(norm: float, x: torch.Tensor) -> float:
+    """What :func:`max_abs` says of ``x`` wherever it is compared (inf or not, at
+    least ``SAFE_MAGNITUDE`` or not), from ``norm`` = ``l2_norm(x)`` when that
+    can tell: the norm itself, or else ``max_abs(x)``.
+
+    No value's magnitude is above the norm (up to rounding), and one that is
+    not finite makes the norm not finite; so a norm below ``SAFE_MAGNITUDE / 2``
+    settles both questions, and saves a pass over ``x``."""
+    return norm if norm < SAFE_MAGNITUDE / 2 else max_abs(x)
+
+
 def l2_norm(x: torch.Tensor) -> float:
     """The L2 norm, in fp32 unless that overflows (then in float64)."""
     norm = float(torch.linalg.vector_norm(x))
@@ -120,21 +131,48 @@ def weighted_mean(grads: Sequence[torch.Tensor], weights: Sequence[float]) -> to
 
 
 def rebased_weighted_mean(
-    deltas: Sequence[torch.Tensor], shifts: Sequence[torch.Tensor], weights: Sequence[float]
+    deltas: Sequence[torch.Tensor],
+    shifts: Sequence[torch.Tensor | None],
+    weights: Sequence[float],
 ) -> torch.Tensor:
     """``weighted_mean`` of ``shift_m + delta_m`` without forming any of them:
     sum(w_m delta_m) plus, once per distinct shift tensor (deltas on one base
-    share it), the sum of its deltas' weights times it."""
-    w = _normalised(weights, len(deltas)).tolist()
-    out = torch.mul(deltas[0].to(torch.float32), w[0])  # no pass over zeros
-    on_shift: dict[int, tuple[torch.Tensor, float]] = {}
-    for i, (delta, shift, wi) in enumerate(zip(deltas, shifts, w, strict=True)):
+    share it), the sum of its deltas' weights times it. A shift of None is
+    zero: the delta's base is the version the gradient is taken against."""
+    return accumulate_rebased(deltas, shifts, normalised_weights(weights, len(deltas)))
+
+
+def normalised_weights(weights: Sequence[float], n: int) -> list[float]:
+    """The weights divided by their sum (ValueError for unusable weights)."""
+    return _normalised(weights, n).tolist()
+
+
+def accumulate_rebased(
+    deltas: Sequence[torch.Tensor],
+    shifts: Sequence[torch.Tensor | None],
+    fractions: Sequence[float],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The sum of ``fraction_m (shift_m + delta_m)`` (:func:`rebased_weighted_mean`
+    with its weights already normalised), into ``out`` if given.
+
+    Elementwise, so a slice of every input gives that slice of the result, bit
+    for bit: the syncer merges a fragment chunk by chunk."""
+    first = deltas[0].to(torch.float32)
+    out = torch.mul(first, fractions[0]) if out is None else torch.mul(first, fractions[0], out=out)
+    on_shift: dict[int, tuple[torch.Tensor | None, float]] = {}
+    for i, (delta, shift, wi) in enumerate(zip(deltas, shifts, fractions, strict=True)):
         if i:
             out.add_(delta, alpha=wi)
         _, total = on_shift.get(id(shift), (shift, 0.0))
         on_shift[id(shift)] = (shift, total + wi)
     for shift, total in on_shift.values():
-        out.add_(shift, alpha=total)
+        if shift is None:
+            # Adding total x (+0.0), which is what a zero shift tensor adds: it
+            # only turns -0.0 into +0.0 (total >= 0).
+            out.add_(0.0)
+        else:
+            out.add_(shift, alpha=total)
     return out
 
 

@@ -13,9 +13,10 @@ version was published, and that must hold across a syncer restart.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -25,11 +26,13 @@ from syncer.aggregation import (
     SAFE_MAGNITUDE,
     StaleDelta,
     VersionHistory,
+    accumulate_rebased,
     coordinate_median,
     l2_norm,
+    magnitude_below,
     max_abs,
+    normalised_weights,
     radial_directional_mean,
-    rebased_weighted_mean,
     token_step_weight,
     trimmed_mean,
 )
@@ -42,6 +45,12 @@ ACCEPTED = "accepted"
 DUPLICATE = "duplicate"  # already applied: ack at once
 HELD = "held"  # a resend or an older delta of a learner already in the round: ack on close
 QUARANTINED = "quarantined"  # refused on close: its norm per step was above the bar
+
+# A published global: bytes, or (fp32) a read-only view of the weights' own memory.
+Payload: TypeAlias = bytes | memoryview
+# Values per chunk of a round's merge and outer step, done chunk by chunk so
+# that each chunk's merged values are still in the cache for the step.
+_CHUNK_VALUES = 1 << 16
 
 
 class RoundOverflow(FloatingPointError):
@@ -91,7 +100,7 @@ class _Contribution:
 @dataclass
 class RoundResult:
     version: int
-    payload: bytes  # the published global, encoded
+    payload: Payload  # the published global, encoded
     included: int  # deltas merged
     tokens: int  # tokens whose updates reach the global model for the first time
     refs: list[Any]  # everything to acknowledge once the new state is durable
@@ -121,14 +130,16 @@ def _token(ref: Any) -> Any:
     return token
 
 
-def canonical(codec: Codec, weights: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+def canonical(codec: Codec, weights: torch.Tensor) -> tuple[torch.Tensor, Payload]:
     """Encode weights for publishing, and the exact weights learners will decode.
 
-    fp32 decodes to ``weights`` bit for bit: they are returned as they are (the
-    master is replaced, never modified in place, so history may share it)."""
-    payload = codec.encode(weights)
+    fp32 decodes to ``weights`` bit for bit: they are returned as they are, with
+    a read-only view of their bytes as the payload, no copy (the master is
+    replaced, never modified in place, so history and the payload may share it)."""
     if codec.quant == "fp32" and codec.lossless == "none":
-        return weights, payload
+        flat = weights.detach().reshape(-1).to("cpu", torch.float32).contiguous()
+        return weights, flat.numpy().data.cast("B").toreadonly()
+    payload = codec.encode(weights)
     return codec.decode(payload, weights.numel()), payload
 
 
@@ -165,6 +176,15 @@ class FragmentState:
         # Wall-clock time each kept version was published (for the step bound).
         self.published_at: dict[int, float] = {version: published_s}
         self.momentum: torch.Tensor | None = None
+        # The momentum buffer before the last step, written over by the next one
+        # (the new buffer cannot be the old one: an overflowing step keeps it).
+        self._spare_momentum: torch.Tensor | None = None
+        # Buffers that deltas decode into (:meth:`decode`), reused round after
+        # round: a new tensor per delta costs more in page faults than the
+        # decoding. A buffer comes back when its offer is not kept, or its
+        # round closes; the pool grows to the most deltas held at once.
+        self._free: list[torch.Tensor] = []
+        self._pooled: dict[int, weakref.ref[torch.Tensor]] = {}
         self.applied: dict[str, tuple[int, int]] = {}  # newest (incarnation, seq) merged
         self.merged_step: dict[str, int] = {}  # newest learner step merged (token accounting)
         self.round = Round(params.quorum, params.grace_gamma, params.overlap, params.absent_wait_s)
@@ -181,7 +201,7 @@ class FragmentState:
         self.recent_norms: deque[float] = deque(maxlen=params.quarantine_window)
         # master - Theta(v) and its largest magnitude, per base version v, while
         # the master stays: rebasing a delta on v is adding it (see _shift).
-        self._shifts: dict[int, tuple[torch.Tensor, float]] = {}
+        self._shifts: dict[int, tuple[torch.Tensor | None, float]] = {}
 
     @property
     def version(self) -> int:
@@ -213,6 +233,32 @@ class FragmentState:
             return HELD
         return None
 
+    def decode(self, delta: Delta) -> torch.Tensor:
+        """The delta's payload decoded, into one of this fragment's buffers when
+        it has the fragment's size; give the tensor to :meth:`offer`, which
+        takes the buffer back unless it keeps the delta. WireError if it does
+        not decode."""
+        if delta.numel != self.numel:
+            return delta.tensor()  # offer refuses it (bad_shape)
+        buffer = self._free.pop() if self._free else self._new_buffer()
+        try:
+            delta.tensor(out=buffer)
+            return buffer
+        except Exception:
+            self._free.append(buffer)
+            raise
+
+    def _new_buffer(self) -> torch.Tensor:
+        buffer = torch.empty(self.numel, dtype=torch.float32)
+        self._pooled[id(buffer)] = weakref.ref(buffer)
+        return buffer
+
+    def _release(self, tensor: torch.Tensor) -> None:
+        """Take back a buffer of :meth:`decode` (any other tensor is left alone)."""
+        ref = self._pooled.get(id(tensor))
+        if ref is not None and ref() is tensor:
+            self._free.append(tensor)
+
     def offer(
         self,
         delta: Delta,
@@ -229,6 +275,20 @@ class FragmentState:
         step time credited to the learner (:func:`syncer.trust.credited_step_s`),
         which bound the figures it reports.
         """
+        status = self._admit(delta, tensor, ref, now, wall_s, step_s)
+        if status != ACCEPTED:
+            self._release(tensor)
+        return status
+
+    def _admit(
+        self,
+        delta: Delta,
+        tensor: torch.Tensor,
+        ref: Any,
+        now: float,
+        wall_s: float,
+        step_s: float | None,
+    ) -> str:
         early = self.precheck(delta, ref)
         if early is not None:
             return early
@@ -236,7 +296,8 @@ class FragmentState:
             return "wrong_epoch"  # based on another syncer lineage: the learner resyncs
         if tensor.shape != self.weights.shape:
             return "bad_shape"
-        magnitude = max_abs(tensor)
+        norm = l2_norm(tensor)
+        magnitude = magnitude_below(norm, tensor)
         if math.isinf(magnitude):
             return "non_finite"
         if delta.c_tokens == 0 or delta.c_steps == 0:
@@ -262,12 +323,13 @@ class FragmentState:
         current = self._pending.get(slot)
         if current is not None:
             self._held[(current.learner, *current.key, _token(current.ref))] = current.ref
+            self._release(current.delta)
         self._pending[slot] = _Contribution(
             delta.learner_id,
             (delta.incarnation, delta.seq),
             delta.base_version,
             tensor,
-            l2_norm(tensor) / delta.c_steps,
+            norm / delta.c_steps,
             token_step_weight(delta.c_tokens, delta.c_steps),
             delta.c_tokens,
             delta.c_steps,
@@ -309,19 +371,20 @@ class FragmentState:
         self._pending = {}
         self._held = {}
         if not kept:
+            self._release_all(contributions)
             return RoundResult(
                 self.version, self.payload, 0, 0, refs, refused=[self._key(c) for c in refused]
             )
         weights = clip_weights([c.weight for c in kept], self.params.weight_clip)
-        merged = self._merge(kept, weights)
-        if len(kept) < learners:  # kept is not empty here
-            merged = merged * (len(kept) / learners)
-        master, momentum = nesterov_step(
-            self.master, merged, self.momentum, self.params.outer_lr, self.params.outer_momentum
-        )
-        if math.isinf(max_abs(master)):
+        share = len(kept) / learners if len(kept) < learners else None  # kept is not empty
+        try:
+            master, momentum = self._step(kept, weights, share)
+        finally:
+            self._release_all(contributions)
+        if math.isinf(magnitude_below(l2_norm(master), master)):
             # Finite inputs can still overflow; never publish a broken model.
             raise RoundOverflow(f"fragment {self.fragment}: outer step overflowed", refs)
+        self._spare_momentum = self.momentum
         self.master, self.momentum = master, momentum
         self._shifts = {}
         published, self.payload = canonical(self.codec, self.master)
@@ -365,29 +428,79 @@ class FragmentState:
         if p.quarantine_action == "refuse":
             return [c for c in contributions if c.norm_per_step <= bar], [], outliers
         for c in outliers:
-            c.delta = c.delta * (bar / c.norm_per_step)
-            c.norm_per_step = bar
+            scaled = c.delta * (bar / c.norm_per_step)  # not in place: it may be the caller's
+            self._release(c.delta)
+            c.delta, c.norm_per_step = scaled, bar
         return contributions, outliers, []
 
-    def _shift(self, version: int) -> tuple[torch.Tensor, float]:
+    def _shift(self, version: int) -> tuple[torch.Tensor | None, float]:
         """``master - Theta(version)`` and its largest magnitude.
 
         A learner's weights are ``Theta(base) - delta``, so its outer gradient
         against the fp32 master is ``shift(base) + delta``: one shift per base
         version serves every delta on it (:class:`StaleDelta` for a version
-        not kept).
+        not kept). None when that version is the master itself (lossless
+        globals, the current version): the shift is +0.0 throughout.
         """
         if version not in self._shifts:
-            shift = self.master - self.history.get(version)
-            self._shifts[version] = (shift, max_abs(shift))
+            base = self.history.get(version)
+            if base is self.master:
+                self._shifts[version] = (None, 0.0)
+            else:
+                shift = self.master - base
+                self._shifts[version] = (shift, max_abs(shift))
         return self._shifts[version]
 
-    def _merge(self, kept: list[_Contribution], weights: list[float]) -> torch.Tensor:
-        aggregation = self.params.aggregation
+    def _step(
+        self, kept: list[_Contribution], weights: list[float], share: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The merged update (times ``share``, if any) and the outer step on it:
+        new (master, momentum).
+
+        The mean merges and steps chunk by chunk, so the merged update is never
+        a whole fragment in memory and each chunk is still in the cache when
+        it is stepped (every operation is elementwise: the result is the same
+        bit for bit). The robust aggregators need all deltas at once.
+        """
+        p = self.params
         shifts = [self._shift(c.base_version)[0] for c in kept]
-        if aggregation == "mean":
-            return rebased_weighted_mean([c.delta for c in kept], shifts, weights)
-        grads = [shift + c.delta for shift, c in zip(shifts, kept, strict=True)]
+        merged = None if p.aggregation == "mean" else self._merge(kept, shifts, weights)
+        fractions = normalised_weights(weights, len(kept))
+        master = torch.empty(self.numel, dtype=torch.float32)
+        momentum = self._spare_momentum
+        if momentum is None:
+            momentum = torch.empty(self.numel, dtype=torch.float32)
+        scratch = torch.empty(min(_CHUNK_VALUES, self.numel), dtype=torch.float32)
+        for start in range(0, self.numel, _CHUNK_VALUES):
+            part = slice(start, start + _CHUNK_VALUES)
+            if merged is None:
+                deltas = [c.delta[part] for c in kept]
+                # One slice per shift tensor: deltas on one base share it.
+                sliced = {id(s): s[part] for s in shifts if s is not None}
+                parts = [None if s is None else sliced[id(s)] for s in shifts]
+                grad = accumulate_rebased(deltas, parts, fractions, scratch[: deltas[0].numel()])
+            else:
+                grad = merged[part]
+            if share is not None:
+                grad.mul_(share)
+            old = None if self.momentum is None else self.momentum[part]
+            out = (master[part], momentum[part])
+            nesterov_step(self.master[part], grad, old, p.outer_lr, p.outer_momentum, out)
+        return master, momentum
+
+    def _release_all(self, contributions: list[_Contribution]) -> None:
+        for c in contributions:
+            self._release(c.delta)
+
+    def _merge(
+        self, kept: list[_Contribution], shifts: list[torch.Tensor | None], weights: list[float]
+    ) -> torch.Tensor:
+        """The robust aggregators' merged update, over whole fragments."""
+        aggregation = self.params.aggregation
+        grads = [
+            c.delta + 0.0 if shift is None else shift + c.delta  # + 0.0: as a zero shift adds
+            for shift, c in zip(shifts, kept, strict=True)
+        ]
         if aggregation == "radial":
             return radial_directional_mean(grads, weights)
         if aggregation == "trimmed_mean":
@@ -469,7 +582,8 @@ class FragmentState:
         self.history = history
         self.master = (history.current if master is None else master).to(torch.float32).clone()
         self._shifts = {}
-        self.momentum = None if momentum is None else momentum.to(torch.float32)
+        self.momentum = None if momentum is None else momentum.to(torch.float32).clone()
+        self._spare_momentum = None
         self.epoch = int(meta.get("epoch", self.epoch))
         self.applied = {k: (int(v[0]), int(v[1])) for k, v in meta["applied"].items()}
         self.merged_step = {k: int(v) for k, v in meta.get("merged_step", {}).items()}
@@ -490,7 +604,7 @@ class FragmentState:
             published, self.payload = canonical(self.codec, self.master)
             self._push(published, wall_s)
 
-    def _decodes_to_current(self, payload: bytes) -> bool:
+    def _decodes_to_current(self, payload: Payload) -> bool:
         try:
             return torch.equal(self.codec.decode(payload, self.numel), self.weights)
         except ValueError:

@@ -11,13 +11,22 @@ def nesterov_step(
     momentum_buf: torch.Tensor | None,
     lr: float,
     momentum: float,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step, returning new (weights, momentum buffer); inputs are not modified.
 
     Same arithmetic as ``torch.optim.SGD(nesterov=True, dampening=0)``:
     ``b = mu*b + g`` (``b = g`` on the first step), ``w -= lr * (g + mu*b)``.
     With lr = 1 and mu = 0 this is plain averaging of the learners' weights.
+
+    ``out``: (weights, momentum buffer) to write the results into, none of them
+    an input: a caller stepping round after round reuses memory already paged in.
     """
-    buf = grad.clone() if momentum_buf is None else momentum_buf.mul(momentum).add_(grad)
-    update = grad.add(buf, alpha=momentum)
-    return weights.sub(update, alpha=lr), buf
+    new_weights, new_buf = out if out is not None else (torch.empty_like(weights), None)
+    if momentum_buf is None:
+        buf = grad.clone() if new_buf is None else new_buf.copy_(grad)
+    else:
+        buf = torch.mul(momentum_buf, momentum, out=new_buf).add_(grad)
+    # The update goes where the new weights will be, then they replace it.
+    update = torch.add(grad, buf, alpha=momentum, out=new_weights)
+    return torch.sub(weights, update, alpha=lr, out=new_weights), buf

@@ -400,7 +400,7 @@ class Syncer:
         status = state.precheck(d, ref)
         if status is None:
             try:
-                tensor = d.tensor()
+                tensor = state.decode(d)
             except WireError as e:
                 self._refuse(item, e.reason)
                 return False

@@ -94,6 +94,30 @@ def test_blockwise_error_bound_and_numpy_reference(
     assert np.array_equal(y, numpy_blockwise(xs, block, qmax))
 
 
+@pytest.mark.parametrize("n", [3 * 65536 + 5, 65536 * 2])
+@pytest.mark.parametrize(("quant", "qmax"), [("int8", 127), ("int4", 7)])
+def test_decode_past_a_chunk_matches_the_numpy_reference(quant: str, qmax: int, n: int) -> None:
+    """Decoding goes chunk by chunk: chunk edges and the partial last block."""
+    x = gaussian(n, seed=n, scale=0.01)
+    c = Codec(quant, "none", 64)  # type: ignore[arg-type]
+    expected = numpy_blockwise(x.numpy(), 64, qmax)
+    assert np.array_equal(c.decode(c.encode(x), n).numpy(), expected)
+
+
+@pytest.mark.parametrize("spec", ["fp32", "bf16", "int8", "int4", "int4+zstd", "int8@8"])
+def test_decode_into_a_buffer(spec: str) -> None:
+    """``out``: the same values, written into the given tensor, which is returned."""
+    n = 1001
+    c = Codec.parse(spec)
+    payload = c.encode(gaussian(n, seed=3))
+    out = torch.full((n,), float("nan"))
+    assert c.decode(memoryview(payload), n, out) is out
+    assert torch.equal(out, c.decode(payload, n))
+    for bad in (torch.empty(n + 1), torch.empty(n, dtype=torch.float64), torch.empty(2 * n)[::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            c.decode(payload, n, bad)
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_zeros_and_constant_blocks(quant: str) -> None:
     c = Codec(quant, "none", 8)  # type: ignore[arg-type]

@@ -16,8 +16,10 @@ import torch
 
 from broker.codecs import Codec
 from broker.wire import Delta
+from syncer.aggregation import rebased_weighted_mean
 from syncer.checkpoint import load_fragment, save_fragment
 from syncer.fragment_state import (
+    _CHUNK_VALUES,
     ACCEPTED,
     DUPLICATE,
     HELD,
@@ -25,6 +27,7 @@ from syncer.fragment_state import (
     FragmentState,
     canonical,
 )
+from syncer.outer import nesterov_step
 from syncer.trust import ReportLimits
 
 torch.set_num_threads(1)
@@ -207,6 +210,67 @@ def test_round_of_three_int8_publishes_the_decoded_fp32_result() -> None:
     # Lossy, but within one quantisation step of the fp32 result.
     step = np.abs(new).max() / 127
     np.testing.assert_allclose(np64(state.weights), new, rtol=0, atol=step)
+
+
+def test_a_fragment_past_a_chunk_merges_and_steps_as_whole_tensors_would() -> None:
+    """The close merges and steps chunk by chunk: bit for bit what the whole-tensor
+    mean and outer step give, for deltas on the current version (a zero shift)
+    and two on an older one (one shift), with and without momentum."""
+    n = 2 * _CHUNK_VALUES + 37
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(n, generator=gen)
+    w0[::5] = -0.0
+    state = FragmentState(0, w0, params(quorum=3, staleness=3), published_s=T0)
+    master, momentum, history = w0.clone(), None, [w0.clone()]
+    for r in range(3):
+        wall_s = T1 + 10.0 * r
+        deltas, shifts, weights = [], [], []
+        shift_of: dict[int, torch.Tensor] = {}  # one per base, as the syncer keeps them
+        for i, name in enumerate("abc"):
+            base = max(r - min(i, 1), 0)  # b and c: a version behind from the second round
+            d = 1e-2 * torch.randn(n, generator=gen)
+            d[::7] = -0.0
+            tokens = 100 + 50 * i
+            sent = delta(name, r + 1, base, c_tokens=tokens, c_steps=4)
+            assert offer(state, sent, d, wall_s=wall_s) == ACCEPTED
+            deltas.append(d)
+            shifts.append(shift_of.setdefault(base, master - history[base]))
+            weights.append(tokens * tokens / 4)
+        state.close(wall_s + 1.0)
+        merged = rebased_weighted_mean(deltas, shifts, weights)
+        master, momentum = nesterov_step(master, merged, momentum, LR, MU)
+        history.append(master.clone())
+        assert torch.equal(state.master.view(torch.int32), master.view(torch.int32))
+        assert state.momentum is not None
+        assert torch.equal(state.momentum.view(torch.int32), momentum.view(torch.int32))
+
+
+def test_decoded_deltas_reuse_the_fragments_buffers() -> None:
+    """A buffer of decode() comes back when its offer is refused and when its
+    round closes, so a running syncer decodes into memory already paged in."""
+    codec = Codec.parse("int8")
+    payload = codec.encode(f32(ROUND1["a"]["delta"]))
+
+    def sent(seq: int, base: int) -> Delta:
+        return Delta(
+            run_id="r", learner_id="a", incarnation=0, seq=seq, fragment=0,
+            base_version=base, c_tokens=100, c_steps=4, numel=N, step=10 * seq,
+            codec=codec, payload=payload,
+        )
+
+    state = FragmentState(0, f32(W0), params(quorum=1), published_s=T0)
+    first = state.decode(sent(1, 0))
+    assert torch.equal(first, codec.decode(payload, N))
+    assert offer(state, sent(1, 0), first) == ACCEPTED
+    state.close(T1)
+    again = state.decode(sent(1, 1))
+    assert again is first
+    assert offer(state, sent(1, 1), again) == DUPLICATE
+    assert state.decode(sent(2, 1)) is first
+    # A tensor of the caller's is never taken: decode() hands out its own.
+    own = codec.decode(payload, N)
+    assert offer(state, sent(1, 1), own) == DUPLICATE
+    assert state.decode(sent(2, 1)) is not own
 
 
 def test_canonical_returns_what_the_codec_decodes() -> None:
