@@ -100,7 +100,7 @@ class Codec:
             return cast(bytes, lz4.frame.compress(raw))
         return raw
 
-    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+    def decode(self, data: bytes | memoryview, numel: int) -> torch.Tensor:
         """Decode ``numel`` fp32 values; every size is checked before use."""
         expected = self.quantised_size(numel)
         raw = self._decompress(data, expected)
@@ -108,7 +108,7 @@ class Codec:
             raise CodecError(f"{self.name}: {numel} values need {expected} bytes, got {len(raw)}")
         return self._dequantise(raw, numel)
 
-    def _decompress(self, data: bytes, expected: int) -> bytes:
+    def _decompress(self, data: bytes | memoryview, expected: int) -> bytes | memoryview:
         if self.lossless == "none":
             return data
         # Read at most expected + 1 bytes so a decompression bomb cannot
@@ -147,7 +147,7 @@ class Codec:
         packed = nibbles[0::2] | (nibbles[1::2] << 4)
         return scales_bytes + packed.astype(np.uint8).tobytes()
 
-    def _dequantise(self, raw: bytes, numel: int) -> torch.Tensor:
+    def _dequantise(self, raw: bytes | memoryview, numel: int) -> torch.Tensor:
         if numel == 0:
             return torch.empty(0, dtype=torch.float32)
         if self.quant == "fp32":
