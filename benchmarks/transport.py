@@ -111,7 +111,9 @@ def measure(backend: str, url: str, size_bytes: int, count: int) -> dict[str, An
                         learner.send_delta(delta)
                         break
                     except Backpressure:
-                        learner.poll(0.001)
+                        # As the learner's comm thread waits: poll returns as
+                        # soon as an acknowledgement arrives.
+                        learner.poll(0.01)
             if not learner.flush(300):
                 raise RuntimeError(f"{learner.unacked} deltas never acknowledged")
             elapsed = time.perf_counter() - start
