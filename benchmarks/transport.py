@@ -42,6 +42,9 @@ from broker.wire import Delta
 RUN = "bench"
 PLAN = "0123456789abcdef"
 INCARNATION = 1
+# A spawned side imports torch (through broker.codecs) before it is ready: on a
+# loaded machine that alone can take a minute. Not timed.
+_START_TIMEOUT_S = 300
 WINDOW = 16  # deltas in flight: the backends' max_unacked here, and the raw window
 # (fragment sizes in MiB, about how many bytes to send at each size)
 MODES: dict[str, tuple[tuple[float, ...], float]] = {
@@ -66,7 +69,7 @@ def measure(backend: str, url: str, size_bytes: int, count: int) -> dict[str, An
     ready, stop = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=_syncer, args=(url, ready, stop), daemon=True)
     proc.start()
-    if not ready.wait(60):
+    if not ready.wait(_START_TIMEOUT_S):
         raise RuntimeError("syncer side did not start")
     # A deep window and a long ack timeout: measure throughput, not resends.
     sep = "&" if "?" in url else "?"
@@ -108,7 +111,9 @@ def measure(backend: str, url: str, size_bytes: int, count: int) -> dict[str, An
                         learner.send_delta(delta)
                         break
                     except Backpressure:
-                        learner.poll(0.001)
+                        # As the learner's comm thread waits: poll returns as
+                        # soon as an acknowledgement arrives.
+                        learner.poll(0.01)
             if not learner.flush(300):
                 raise RuntimeError(f"{learner.unacked} deltas never acknowledged")
             elapsed = time.perf_counter() - start
@@ -146,7 +151,7 @@ def measure_raw_zmq(endpoint: str, size_bytes: int, count: int) -> dict[str, Any
     ready, stop = ctx_mp.Event(), ctx_mp.Event()
     proc = ctx_mp.Process(target=_raw_zmq_receiver, args=(endpoint, ready, stop), daemon=True)
     proc.start()
-    if not ready.wait(60):
+    if not ready.wait(_START_TIMEOUT_S):
         raise RuntimeError("raw ZeroMQ receiver did not start")
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
@@ -194,7 +199,7 @@ def measure_raw_redis(url: str, size_bytes: int, count: int) -> dict[str, Any]:
     ready, stop = ctx_mp.Event(), ctx_mp.Event()
     proc = ctx_mp.Process(target=_raw_redis_consumer, args=(url, stream, ready, stop), daemon=True)
     proc.start()
-    if not ready.wait(60):
+    if not ready.wait(_START_TIMEOUT_S):
         raise RuntimeError("raw Redis consumer did not start")
     client = redis.Redis.from_url(url)
     body = np.random.default_rng(0).standard_normal(size_bytes // 4, dtype=np.float32).tobytes()

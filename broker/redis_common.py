@@ -16,7 +16,10 @@ Keys of one run (``{run}`` is the run id)::
     ddiloco:{run}:notices:{l}  stream   refusals of learner l's deltas (short MAXLEN,
                                         expires when unused)
 
-Every stream entry holds one :mod:`broker.wire` frame in the field ``m``.
+Every stream entry holds one :mod:`broker.wire` frame: deltas in the three
+fields ``h``, ``p``, ``c`` (the parts of :func:`broker.wire.encode_parts`, so a
+learner sends its payload without copying it into a frame first), everything
+else whole in the field ``m``. A reader takes either form.
 
 Delivery
 --------
@@ -65,7 +68,7 @@ from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.retry import Retry
 
 from broker.transport import TransportStats
-from broker.wire import Message, WireError, decode, encode
+from broker.wire import Message, WireError, decode, decode_parts, encode, encode_parts
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ log = logging.getLogger(__name__)
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 FIELD = b"m"
+PART_FIELDS = (b"h", b"p", b"c")  # a frame in parts: prefix and header, payload, checksum
 GROUP = "syncers"
 _BACKOFF_BASE_S = 0.05
 _BACKOFF_CAP_S = 2.0
@@ -140,12 +144,12 @@ redis.call('HSET', KEYS[1], tostring(mine), holder .. ' ' .. string.format('%d',
 return mine
 """
 
-# XADD ARGV[2] (a frame in field ARGV[1]) to delta stream KEYS[1], keeping it at
-# most ARGV[3] entries long. Entries group ARGV[4] is done with (delivered and
+# XADD the field-value pairs ARGV[3..] to delta stream KEYS[1], keeping it at
+# most ARGV[1] entries long. Entries group ARGV[2] is done with (delivered and
 # acked) go first; if that is not enough, the oldest others are dropped and
 # counted in KEYS[2]. Returns how many unread or unacked entries were dropped.
 BOUNDED_XADD = """
-local maxlen = tonumber(ARGV[3])
+local maxlen = tonumber(ARGV[1])
 local lost = 0
 if redis.call('XLEN', KEYS[1]) >= maxlen then
     local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
@@ -153,10 +157,10 @@ if redis.call('XLEN', KEYS[1]) >= maxlen then
         for _, g in ipairs(groups) do
             local info = {}
             for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-            if info['name'] == ARGV[4] then
+            if info['name'] == ARGV[2] then
                 local bound = info['last-delivered-id']
                 if info['pending'] > 0 then
-                    bound = redis.call('XPENDING', KEYS[1], ARGV[4])[2]
+                    bound = redis.call('XPENDING', KEYS[1], ARGV[2])[2]
                 end
                 redis.call('XTRIM', KEYS[1], 'MINID', bound)
             end
@@ -169,7 +173,7 @@ if redis.call('XLEN', KEYS[1]) >= maxlen then
         redis.call('INCRBY', KEYS[2], lost)
     end
 end
-redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
 return lost
 """
 
@@ -341,6 +345,38 @@ def check_frame(frame: Any, max_message_bytes: int, stats: TransportStats) -> Me
     except WireError as e:
         stats.rejected[e.reason] += 1
         return None
+
+
+def check_entry(
+    fields: dict[bytes, bytes], max_message_bytes: int, stats: TransportStats
+) -> Message | None:
+    """Decode a stream entry (a frame in ``m``, or its parts in ``h``, ``p``,
+    ``c``), or count why it is rejected and return None."""
+    if fields.keys() != set(PART_FIELDS):
+        frame = fields.get(FIELD) if len(fields) == 1 else None
+        return check_frame(frame, max_message_bytes, stats)
+    start, payload, crc = (fields[name] for name in PART_FIELDS)
+    if not all(isinstance(part, bytes) for part in (start, payload, crc)):
+        stats.rejected["bad_entry"] += 1
+        return None
+    size = len(start) + len(payload) + len(crc)
+    stats.bytes_received += size
+    if size > max_message_bytes:
+        stats.rejected["too_large"] += 1
+        return None
+    try:
+        return decode_parts(start, payload, crc, max_payload_bytes=max_message_bytes)
+    except WireError as e:
+        stats.rejected[e.reason] += 1
+        return None
+
+
+def encode_parts_bounded(msg: Message, max_message_bytes: int) -> tuple[bytes, bytes, bytes]:
+    parts = encode_parts(msg, max_payload_bytes=max_message_bytes)
+    size = sum(len(part) for part in parts)
+    if size > max_message_bytes:
+        raise WireError("too_large", f"frame of {size} > {max_message_bytes} bytes")
+    return parts
 
 
 def encode_bounded(msg: Message, max_message_bytes: int) -> bytes:

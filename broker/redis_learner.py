@@ -26,6 +26,7 @@ from broker.redis_common import (
     FIELD,
     GROUP,
     LEASE_SLOT,
+    PART_FIELDS,
     STREAM_END_ID,
     Entries,
     Reconnect,
@@ -33,6 +34,7 @@ from broker.redis_common import (
     connect,
     delta_stream_key,
     encode_bounded,
+    encode_parts_bounded,
     globals_stream_key,
     is_transient,
     learners_key,
@@ -70,7 +72,7 @@ _NOTHING_YET = (-1, -1)
 class _QueuedDelta:
     stream: str
     trimmed_key: str
-    frame: bytes
+    parts: tuple[bytes, bytes, bytes]  # wire.encode_parts: the payload is the caller's
     failed_attempts: int = 0
 
 
@@ -136,12 +138,11 @@ class RedisLearnerTransport(LearnerTransport):
             self._send_queued()
             if len(self._queue) >= self.max_unacked:
                 raise Backpressure(f"{len(self._queue)} deltas wait for redis")
-        frame = encode_bounded(delta, self.max_message_bytes)
         self._queue.append(
             _QueuedDelta(
                 delta_stream_key(self.run_id, delta.fragment),
                 trimmed_key(self.run_id, delta.fragment),
-                frame,
+                encode_parts_bounded(delta, self.max_message_bytes),
             )
         )
         self._send_queued()
@@ -154,7 +155,7 @@ class RedisLearnerTransport(LearnerTransport):
                 lost = int(
                     self._bounded_xadd(
                         keys=[item.stream, item.trimmed_key],
-                        args=[FIELD, item.frame, self.delta_stream_maxlen, GROUP],
+                        args=[self.delta_stream_maxlen, GROUP, *self._entry(item.parts)],
                     )
                 )
             except Exception as e:
@@ -175,10 +176,15 @@ class RedisLearnerTransport(LearnerTransport):
                     self.delta_stream_maxlen,
                     lost,
                 )
-            self.stats.bytes_sent += len(item.frame)
+            self.stats.bytes_sent += sum(len(part) for part in item.parts)
             self.stats.messages_sent += 1
             if item.failed_attempts:
                 self.stats.resent += 1
+
+    @staticmethod
+    def _entry(parts: tuple[bytes, bytes, bytes]) -> list[bytes]:
+        """A delta entry's fields and values, as XADD takes them."""
+        return [v for pair in zip(PART_FIELDS, parts, strict=True) for v in pair]
 
     def send_heartbeat(self, heartbeat: Heartbeat) -> None:
         if heartbeat.run_id != self.run_id or heartbeat.learner_id != self.learner_id:

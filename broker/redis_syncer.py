@@ -29,6 +29,7 @@ from broker.redis_common import (
     NOTICES_TTL_S,
     Entries,
     Reconnect,
+    check_entry,
     check_frame,
     connect,
     delta_stream_key,
@@ -299,7 +300,7 @@ class RedisSyncerTransport(SyncerTransport):
                 self.stats.rejected["trimmed"] += 1
                 self._rejected_unacked.add(token)
                 continue
-            msg = check_frame(fields.get(FIELD), self.max_message_bytes, self.stats)
+            msg = check_entry(fields, self.max_message_bytes, self.stats)
             if (
                 isinstance(msg, Delta)
                 and msg.run_id == self.run_id

@@ -16,13 +16,20 @@ from __future__ import annotations
 import math
 import re
 import struct
-import zlib
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
 
 from broker.codecs import Buffer, Codec, CodecError
+
+try:
+    # ISA-L's CRC-32 is zlib's checksum (same polynomial, same frames), computed
+    # with carry-less multiplies: about 3x zlib's speed on a 16 MB fragment,
+    # which every frame pays twice (sender and receiver).
+    from isal.isal_zlib import crc32
+except ImportError:  # a platform without isal's wheel
+    from zlib import crc32
 
 SCHEMA_VERSION = 2  # 2: globals carry their syncer epoch, deltas their base's
 MAGIC = b"DDL1"
@@ -136,6 +143,8 @@ class _TensorMessage(Message):
     # here, and every later size check and decode uses the parsed object.
     codec: Codec = Codec()
     numel: int = 0
+    # Sent as given; a decoded message's payload is a read-only view into the
+    # received buffer (decoding copies nothing).
     payload: Buffer = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
@@ -298,13 +307,19 @@ KINDS: dict[str, type[Message]] = {
         LeaseGrant,
     )
 }
+# The header fields of each kind: every field but the payload.
+_FIELD_NAMES = {cls: frozenset(f.name for f in fields(cls)) - {"payload"} for cls in KINDS.values()}
 
 
 # -- encode / decode --------------------------------------------------------
-def encode(msg: Message, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> bytes:
-    """One frame. The payload (a frame can be a whole fragment) is copied once, by
-    the join, and its checksum is continued from the header's, not recomputed
-    over a concatenated copy."""
+def encode_parts(
+    msg: Message, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+) -> tuple[bytes, bytes, bytes]:
+    """One frame in three parts whose concatenation is the frame: prefix and
+    header, payload, checksum. The payload is not copied (a ``bytes`` payload is
+    the caller's object), so a transport that can send parts (ZeroMQ's
+    multipart messages) sends a whole fragment without copying it, and the
+    checksum runs over it once, continued from the header's."""
     msg.validate()
     header: dict[str, Any] = {"v": SCHEMA_VERSION, "k": msg.KIND}
     payload = b""
@@ -321,17 +336,60 @@ def encode(msg: Message, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> 
     if len(payload) > max_payload_bytes:
         raise WireError("too_large", f"payload of {len(payload)} > {max_payload_bytes} bytes")
     start = _PREFIX.pack(MAGIC, len(head), len(payload)) + head
-    crc = zlib.crc32(payload, zlib.crc32(start))
-    return b"".join((start, payload, _CRC.pack(crc)))
+    crc = crc32(payload, crc32(start))
+    return start, payload, _CRC.pack(crc)
+
+
+def encode(msg: Message, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> bytes:
+    """One frame, in one buffer (the payload is copied once, by the join)."""
+    return b"".join(encode_parts(msg, max_payload_bytes))
 
 
 def decode(
     data: bytes | bytearray | memoryview, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
 ) -> Message:
-    """Decode and validate one frame, or raise :class:`WireError`."""
+    """Decode and validate one frame, or raise :class:`WireError`. A tensor
+    message's payload is a read-only view into ``data``, not a copy."""
     view = memoryview(data).cast("B")
     if len(view) < _PREFIX.size + _CRC.size:
         raise WireError("truncated", f"{len(view)} bytes")
+    head_len, payload_len = _check_prefix(view, max_payload_bytes)
+    total = _PREFIX.size + head_len + payload_len + _CRC.size
+    if len(view) != total:
+        raise WireError(
+            "truncated" if len(view) < total else "trailing_bytes", f"{len(view)} != {total}"
+        )
+    payload_at = _PREFIX.size + head_len
+    return _decode_checked(
+        view[:payload_at], view[payload_at : total - _CRC.size], view[total - _CRC.size :],
+        max_payload_bytes,
+    )  # fmt: skip
+
+
+def decode_parts(
+    start: bytes | memoryview,
+    payload: bytes | memoryview,
+    crc: bytes | memoryview,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> Message:
+    """Decode a frame received as the three parts of :func:`encode_parts`; each
+    part must be exactly what the prefix says, else :class:`WireError`
+    (``bad_split``). The payload is a read-only view into ``payload``."""
+    start_view = memoryview(start).cast("B")
+    if len(start_view) < _PREFIX.size:
+        raise WireError("truncated", f"{len(start_view)} bytes")
+    head_len, payload_len = _check_prefix(start_view, max_payload_bytes)
+    payload_view = memoryview(payload).cast("B")
+    crc_view = memoryview(crc).cast("B")
+    if (len(start_view), len(payload_view), len(crc_view)) != (
+        _PREFIX.size + head_len, payload_len, _CRC.size
+    ):  # fmt: skip
+        raise WireError("bad_split", "parts do not match the frame's lengths")
+    return _decode_checked(start_view, payload_view, crc_view, max_payload_bytes)
+
+
+def _check_prefix(view: memoryview, max_payload_bytes: int) -> tuple[int, int]:
+    """Header and payload lengths of the frame that starts ``view``, once checked."""
     magic, head_len, payload_len = _PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
         raise WireError("bad_magic")
@@ -339,18 +397,20 @@ def decode(
         raise WireError("too_large", f"header of {head_len} bytes")
     if payload_len > max_payload_bytes:
         raise WireError("too_large", f"payload of {payload_len} > {max_payload_bytes} bytes")
-    total = _PREFIX.size + head_len + payload_len + _CRC.size
-    if len(view) != total:
-        raise WireError(
-            "truncated" if len(view) < total else "trailing_bytes", f"{len(view)} != {total}"
-        )
-    (crc,) = _CRC.unpack_from(view, total - _CRC.size)
-    if zlib.crc32(view[: total - _CRC.size]) != crc:
+    return head_len, payload_len
+
+
+def _decode_checked(
+    start: memoryview, payload: memoryview, crc_bytes: memoryview, max_payload_bytes: int
+) -> Message:
+    """The message of a frame whose prefix and lengths were checked: the checksum
+    first, then the header, then every field."""
+    (crc,) = _CRC.unpack_from(crc_bytes, 0)
+    if crc32(payload, crc32(start)) != crc:
         raise WireError("bad_checksum")
-    head_start = _PREFIX.size
     try:
         header = msgpack.unpackb(
-            view[head_start : head_start + head_len],
+            start[_PREFIX.size :],
             raw=False,
             strict_map_key=True,
             max_str_len=MAX_HEADER_BYTES,
@@ -370,13 +430,13 @@ def decode(
     cls = KINDS.get(kind) if isinstance(kind, str) else None  # a list or map is unhashable
     if cls is None:
         raise WireError("unknown_kind", repr(header.get("k"))[:32])
-    names = {f.name for f in fields(cls)} - {"payload"}
+    names = _FIELD_NAMES[cls]
     if set(header) - {"v", "k"} != names:
         raise WireError("bad_header", f"{cls.KIND} fields do not match the schema")
     kwargs = {n: header[n] for n in names}
-    if "payload" in {f.name for f in fields(cls)}:
-        kwargs["payload"] = bytes(view[head_start + head_len : total - _CRC.size])
-    elif payload_len:
+    if issubclass(cls, _TensorMessage):
+        kwargs["payload"] = payload.toreadonly()
+    elif len(payload):
         raise WireError("bad_header", f"{cls.KIND} carries no payload")
     try:
         msg = cls(**kwargs)

@@ -5,6 +5,11 @@ snapshot requests, and a PUB on ``port + 1`` for globals. A learner connects
 one DEALER and one SUB to every syncer; fragment ``p`` belongs to syncer
 ``p % len(endpoints)``.
 
+Deltas and globals travel as three-part messages, the parts of
+:func:`broker.wire.encode_parts` (prefix and header, payload, checksum), so a
+fragment is sent from the caller's buffer and received into one without a
+copy; everything else is one frame.
+
 Why these sockets: PUSH would block at its high-water mark and PUB silently
 drops, so deltas go DEALER -> ROUTER with an explicit :class:`~broker.wire.Ack`
 from the syncer once the update is durable, and the learner resends anything
@@ -58,9 +63,11 @@ log = logging.getLogger(__name__)
 GLOBALS_TOPIC = b"g"
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _FRAME_OVERHEAD = 64 * 1024 + 16  # header limit + prefix + checksum
-# Frames at least this big are sent zero-copy (libzmq reads the bytes object
+# Parts at least this big are sent zero-copy (libzmq reads the bytes object
 # itself); below it a copy is cheaper than the bookkeeping.
 _ZERO_COPY_BYTES = 64 * 1024
+# A message as sent: one whole frame, or the three parts of wire.encode_parts.
+Parts = tuple[bytes, ...]
 _CANDIDATES_PER_FRAGMENT = 4  # globals held per fragment between two polls
 _RESYNC_FIRST_RETRY_S = 0.5  # then doubling: whole fragments must not pile up on a slow link
 _RESYNC_MAX_RETRY_S = 8.0
@@ -94,13 +101,28 @@ def _check_options(**values: int) -> None:
         require(value >= least, f"{name}={value}: must be >= {least}")
 
 
+def _send(sock: zmq.Socket[bytes], parts: Parts, flags: int = 0) -> None:
+    """Send ``parts`` as one message without blocking. Raises ``zmq.Again`` only
+    before anything is queued: once its first part is, a message is whole."""
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        more = zmq.SNDMORE if i < last else 0
+        sock.send(part, flags | zmq.NOBLOCK | more, copy=len(part) < _ZERO_COPY_BYTES)
+
+
 def _decode(
-    frame: bytes | memoryview, max_message_bytes: int, stats: TransportStats
+    frames: list[zmq.Frame], max_message_bytes: int, stats: TransportStats
 ) -> wire.Message | None:
-    stats.bytes_received += len(frame)
+    """The message of one frame or of the three parts of ``wire.encode_parts``."""
+    stats.bytes_received += sum(len(f) for f in frames)
     stats.messages_received += 1
     try:
-        return wire.decode(frame, max_payload_bytes=max_message_bytes)
+        if len(frames) == 1:
+            return wire.decode(frames[0].buffer, max_payload_bytes=max_message_bytes)
+        if len(frames) == 3:
+            start, payload, crc = (f.buffer for f in frames)
+            return wire.decode_parts(start, payload, crc, max_payload_bytes=max_message_bytes)
+        raise WireError("bad_envelope", f"{len(frames)} parts")
     except WireError as e:
         stats.rejected[e.reason] += 1
         log.warning("rejected frame: %s", e)
@@ -109,7 +131,7 @@ def _decode(
 
 @dataclass
 class _Pending:
-    frame: bytes
+    parts: Parts
     owner: int  # index of the syncer endpoint
     last_sent: float = -math.inf
     attempts: int = 0
@@ -182,22 +204,22 @@ class ZmqLearnerTransport(LearnerTransport):
     def send_delta(self, delta: Delta) -> None:
         if len(self._unacked) >= self.max_unacked:
             raise Backpressure(f"{len(self._unacked)} deltas await acknowledgement")
-        pending = _Pending(wire.encode(delta, self.max_message_bytes), self._owner(delta.fragment))
+        pending = _Pending(
+            wire.encode_parts(delta, self.max_message_bytes), self._owner(delta.fragment)
+        )
         self._unacked[delta.seq] = pending
         self._try_send(pending, time.monotonic())
 
     def _try_send(self, pending: _Pending, now: float) -> None:
         try:
-            self._dealers[pending.owner].send(
-                pending.frame, zmq.NOBLOCK, copy=len(pending.frame) < _ZERO_COPY_BYTES
-            )
+            _send(self._dealers[pending.owner], pending.parts)
         except zmq.Again:
             return  # no syncer connected or its queue is full: retried by poll()
         if pending.attempts:
             self.stats.resent += 1
         pending.attempts += 1
         pending.last_sent = now
-        self.stats.bytes_sent += len(pending.frame)
+        self.stats.bytes_sent += sum(len(part) for part in pending.parts)
         self.stats.messages_sent += 1
 
     def send_heartbeat(self, heartbeat: Heartbeat) -> None:
@@ -290,7 +312,8 @@ class ZmqLearnerTransport(LearnerTransport):
                     parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                msg = _decode(parts[-1].buffer, self.max_message_bytes, self.stats)
+                frames = parts if sock in self._dealers else parts[1:]  # past the topic
+                msg = _decode(frames, self.max_message_bytes, self.stats)
                 if isinstance(msg, GlobalFragment):
                     if sock in self._dealers:  # a snapshot answer: the resync is done
                         self._awaiting.pop(msg.fragment, None)
@@ -402,7 +425,7 @@ class ZmqSyncerTransport(SyncerTransport):
         self._pub = _socket(self._ctx, zmq.PUB, max_message_bytes)
         self._pub.setsockopt(zmq.SNDHWM, send_hwm)
         self._pub.bind(pub_endpoint(bind))
-        self._latest: dict[int, bytes] = {}  # encoded newest global per fragment
+        self._latest: dict[int, Parts] = {}  # encoded newest global per fragment
         self._leases: dict[int, tuple[str, float]] = {}  # slot -> (holder, expiry)
         self._started = time.monotonic()
         # When each (peer, fragment) was last answered: a snapshot is a whole
@@ -418,11 +441,11 @@ class ZmqSyncerTransport(SyncerTransport):
                 parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            if len(parts) != 2:
+            if len(parts) not in (2, 4):  # identity and one frame or three parts
                 self.stats.rejected["bad_envelope"] += 1
                 continue
             identity = parts[0].bytes
-            msg = _decode(parts[1].buffer, self.max_message_bytes, self.stats)
+            msg = _decode(parts[1:], self.max_message_bytes, self.stats)
             if msg is None:
                 continue
             if getattr(msg, "run_id", self.run_id) != self.run_id:
@@ -442,14 +465,12 @@ class ZmqSyncerTransport(SyncerTransport):
                 self.stats.rejected["unexpected_kind"] += 1
         return out
 
-    def _send_to(self, identity: bytes, frame: bytes) -> None:
+    def _send_to(self, identity: bytes, parts: Parts) -> None:
         try:
-            self._router.send_multipart(
-                [identity, frame], zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY_BYTES
-            )
+            _send(self._router, (identity, *parts))
         except zmq.Again:
             return  # the learner's queue is full; it will ask again
-        self.stats.bytes_sent += len(frame)
+        self.stats.bytes_sent += sum(len(part) for part in parts)
         self.stats.messages_sent += 1
 
     def _answer_snapshot(self, identity: bytes, req: SnapshotRequest) -> None:
@@ -496,9 +517,8 @@ class ZmqSyncerTransport(SyncerTransport):
                 self.stats.rejected["no_free_slot"] += 1
                 return
         self._leases[slot] = (req.holder, now + req.ttl_s)
-        self._send_to(
-            identity, wire.encode(LeaseGrant(run_id=self.run_id, holder=req.holder, slot=slot))
-        )
+        grant = LeaseGrant(run_id=self.run_id, holder=req.holder, slot=slot)
+        self._send_to(identity, (wire.encode(grant),))
 
     def ack(self, items: list[Inbound]) -> None:
         seqs: dict[tuple[bytes, str, int], list[int]] = defaultdict(list)
@@ -514,7 +534,7 @@ class ZmqSyncerTransport(SyncerTransport):
                     incarnation=incarnation,
                     seqs=batch[start : start + wire.MAX_LIST_LEN],
                 )
-                self._send_to(identity, wire.encode(ack))
+                self._send_to(identity, (wire.encode(ack),))
 
     def existing_globals(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
         return {}  # globals live in this process only; learners follow a new epoch
@@ -524,18 +544,16 @@ class ZmqSyncerTransport(SyncerTransport):
         if not isinstance(d, Delta) or item.token is None:
             return
         refusal = Refusal.of(d, reason)
-        self._send_to(item.token, wire.encode(refusal))
+        self._send_to(item.token, (wire.encode(refusal),))
 
     def publish(self, fragment: GlobalFragment) -> None:
-        frame = wire.encode(fragment, self.max_message_bytes)
-        self._latest[fragment.fragment] = frame
+        parts = wire.encode_parts(fragment, self.max_message_bytes)
+        self._latest[fragment.fragment] = parts
         try:
-            self._pub.send_multipart(
-                [GLOBALS_TOPIC, frame], zmq.NOBLOCK, copy=len(frame) < _ZERO_COPY_BYTES
-            )
+            _send(self._pub, (GLOBALS_TOPIC, *parts))
         except zmq.Again:
             return  # PUB does not block; subscribers notice the gap
-        self.stats.bytes_sent += len(frame)
+        self.stats.bytes_sent += sum(len(part) for part in parts)
         self.stats.messages_sent += 1
 
     def close(self) -> None:

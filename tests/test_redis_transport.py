@@ -20,17 +20,25 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import redis
 import torch
 
-from broker.redis_common import FIELD, GROUP, delta_stream_key, globals_stream_key, learners_key
+from broker.redis_common import (
+    FIELD,
+    GROUP,
+    PART_FIELDS,
+    check_entry,
+    delta_stream_key,
+    globals_stream_key,
+    learners_key,
+)
 from broker.redis_learner import RedisLearnerTransport
 from broker.redis_syncer import RedisSyncerTransport
-from broker.transport import Backpressure, Inbound, TransportError
-from broker.wire import Delta, GlobalFragment, Heartbeat, decode, encode
+from broker.transport import Backpressure, Inbound, TransportError, TransportStats
+from broker.wire import Delta, GlobalFragment, Heartbeat, decode_parts, encode, encode_parts
 from tests.servers import RedisServer, take_globals, wait_until
 
 pytestmark = pytest.mark.integration
@@ -658,7 +666,7 @@ def test_delta_streams_stay_bounded_and_trimming_keeps_unacked_entries(
     present_seqs = set()
     for p in (0, 1):
         for _, fields in cast(list, client.xrange(delta_stream_key(RUN, p))):
-            present_seqs.add(cast(Delta, decode(fields[FIELD])).seq)
+            present_seqs.add(cast(Delta, decode_parts(*(fields[f] for f in PART_FIELDS))).seq)
     assert set(range(400, 500)) <= present_seqs, "trimming removed an unread entry"
 
     syncer.ack(held)
@@ -694,3 +702,20 @@ def test_a_syncer_warns_when_redis_runs_without_aof(
     with caplog.at_level(logging.WARNING, logger="broker.redis_syncer"):
         RedisSyncerTransport(redis_server.url, "aof", consumer="s0", fragments=[0]).close()
     assert not any("without AOF" in r.getMessage() for r in caplog.records)
+
+
+def test_a_delta_entry_is_a_whole_frame_or_exactly_its_three_parts() -> None:
+    delta = make_delta("learner-0", 1, 0)
+    start, payload, crc = encode_parts(delta)
+    stats = TransportStats()
+
+    def check(fields: dict[bytes, Any], max_bytes: int = 2**20) -> Any:
+        return check_entry(fields, max_bytes, stats)
+
+    assert check(dict(zip(PART_FIELDS, (start, payload, crc), strict=True))) == delta
+    assert check({FIELD: encode(delta)}) == delta
+    assert check({FIELD: encode(delta), b"x": b""}) is None  # neither form
+    assert check({**dict(zip(PART_FIELDS, (start, payload, crc), strict=True)), FIELD: b""}) is None
+    assert check(dict(zip(PART_FIELDS, (start, payload[1:], crc), strict=True))) is None
+    assert check(dict(zip(PART_FIELDS, (start, payload, crc), strict=True)), max_bytes=64) is None
+    assert stats.rejected == {"bad_entry": 2, "bad_split": 1, "too_large": 1}

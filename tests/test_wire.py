@@ -119,6 +119,40 @@ def test_round_trip(msg: Message) -> None:
     assert wire.decode(memoryview(data)) == msg
 
 
+@pytest.mark.parametrize("msg", messages(), ids=lambda m: type(m).__name__)
+def test_parts_round_trip(msg: Message) -> None:
+    """The three parts make the frame, and decode as it does."""
+    parts = wire.encode_parts(msg)
+    assert b"".join(parts) == wire.encode(msg)
+    assert wire.decode_parts(*parts) == msg
+    assert wire.decode_parts(*(memoryview(p) for p in parts)) == msg
+
+
+def test_decoded_payload_is_a_read_only_view_of_the_frame() -> None:
+    data = wire.encode(delta("fp32"))
+    back = wire.decode(data)
+    assert isinstance(back, Delta) and isinstance(back.payload, memoryview)
+    assert back.payload.readonly and back.payload.obj is data
+
+
+def test_parts_that_do_not_match_the_prefix_are_rejected() -> None:
+    start, payload, crc = wire.encode_parts(delta("fp32"))
+
+    def parts_reason(*parts: bytes, **kw: Any) -> str:
+        with pytest.raises(WireError) as info:
+            wire.decode_parts(*parts, **kw)
+        return info.value.reason
+
+    assert parts_reason(start, payload[:-1], crc) == "bad_split"
+    assert parts_reason(start, payload, crc + b"x") == "bad_split"
+    assert parts_reason(start + payload[:1], payload[1:], crc) == "bad_split"
+    assert parts_reason(start[:5], payload, crc) == "truncated"
+    assert parts_reason(b"XDL1" + start[4:], payload, crc) == "bad_magic"
+    assert parts_reason(start, payload[:-1] + bytes([payload[-1] ^ 1]), crc) == "bad_checksum"
+    assert parts_reason(start, payload, bytes(4)) == "bad_checksum"
+    assert parts_reason(*wire.encode_parts(delta("fp32")), max_payload_bytes=10) == "too_large"
+
+
 def test_tensor_decodes_to_values() -> None:
     for codec, tol in (("fp32", 0.0), ("bf16+lz4", 2**-8), ("int8@128", 1 / 254),
                        ("int4+zstd", 1 / 14 + 1e-6)):

@@ -378,7 +378,7 @@ def test_snapshot_requests_cost_one_fragment_per_peer_and_interval() -> None:
         wait_until(all_handled, 10, what="the requests to be handled")
         answers: list[GlobalFragment] = []
         while raw.poll(500):
-            msg = wire.decode(raw.recv())
+            msg = wire.decode(b"".join(raw.recv_multipart()))  # the parts make a frame
             assert isinstance(msg, GlobalFragment)
             answers.append(msg)
         # Fragment 0 once (the other requests within the interval got nothing more),
