@@ -125,7 +125,8 @@ class DecoupledDiLoCo:
         self.fragments = FragmentSync(
             self.plan, self.run.overlap, self.sync_cfg.flush_before_overwrite
         )
-        self.progress = ProgressFile(state_dir if self.group.leader else None, learner_id)
+        # Every rank of a group resumes from what rank 0 saved; rank 0 alone writes.
+        self.progress = ProgressFile(state_dir, learner_id)
         self.start_step, self.tokens, last_incarnation = self.progress.load()
         # Strictly newer than any earlier incarnation even if the clock stepped
         # back: the syncer would take a lower one for a replay.
@@ -178,6 +179,7 @@ class DecoupledDiLoCo:
                 # The weights as given stand in for this version: deltas measure
                 # this learner's progress from them.
                 self.fragments.apply(p, stamp, self.plan.flatten(self.params, p), self.params)
+        self._load_weights()
         self._load_optimizer_state()
         if self.transport is not None:
             encoder = DeltaEncoder(self.run.delta_codec, self.sync_cfg.error_feedback)
@@ -328,14 +330,38 @@ class DecoupledDiLoCo:
             return None
         return self.progress.path.with_suffix(".optimizer.pt")
 
+    def _weights_path(self) -> Path | None:
+        """Without a syncer the learner's own weights are the model: they are kept with
+        its progress (an elastic data-parallel group's checkpoint). With one, a
+        restarted learner takes the global model instead."""
+        if self.syncing or self.progress.path is None:
+            return None
+        return self.progress.path.with_suffix(".model.pt")
+
     def save_progress(self) -> None:
-        """Write step, tokens and incarnation (and the optimizer's state, if given)."""
-        path = self._optimizer_path()
-        if path is not None and self.optimizer is not None:
-            buffer = io.BytesIO()
-            torch.save(self.optimizer.state_dict(), buffer)
-            atomic_write(path, buffer.getvalue())
+        """Write step, tokens and incarnation (and the optimizer's state, if given;
+        the weights, without a syncer). Rank 0 writes for its group. Weights and
+        optimizer go first: a kill between the writes leaves them at most one save
+        ahead of the step they resume from, never behind."""
+        if not self.group.leader:
+            return
+        for path, state in (
+            (self._weights_path(), self.model),
+            (self._optimizer_path(), self.optimizer),
+        ):
+            if path is not None and state is not None:
+                buffer = io.BytesIO()
+                torch.save(state.state_dict(), buffer)
+                atomic_write(path, buffer.getvalue())
         self.progress.save(self.step_count, self.tokens, self.incarnation)
+
+    def _load_weights(self) -> None:
+        path = self._weights_path()
+        if path is None or not path.exists():
+            return
+        # weights_only: tensors and plain values, never code.
+        self.model.load_state_dict(torch.load(io.BytesIO(path.read_bytes()), weights_only=True))
+        log.info("learner %s: restored its weights (step %d)", self.learner_id, self.start_step)
 
     def _load_optimizer_state(self) -> None:
         path = self._optimizer_path()

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401  (a first optimizer imports it: seconds, here with the rest)
 
 from broker.files import EventLog
 from learner.config import LearnerConfig, TrainConfig
@@ -26,6 +27,7 @@ from learner.telemetry import ProgressFile
 from learner.workload import WorkloadContext, load_workload
 
 log = logging.getLogger(__name__)
+IMPORTED_AT = time.time()  # this process has its imports (torch): what a restart waits for first
 
 
 class SlowHardware:
@@ -96,6 +98,9 @@ class Learner:
             learner=cfg.learner_id,
             incarnation=self.sync.incarnation,
         )
+        # Built and about to join: what a restart spends before this (interpreter,
+        # imports, model) and after it (joining, to 'start') are told apart.
+        self.events.write("ready", step=self.sync.start_step, imported=IMPORTED_AT)
 
     def _evaluate(self, step: int) -> None:
         """Without a syncer (data parallel) the learner reports the held-out loss itself."""
@@ -107,7 +112,7 @@ class Learner:
         cfg, sync, steps = self.cfg, self.sync, self.cfg.run.steps
         loss_value = float("nan")
         with sync:
-            if not sync.syncing:
+            if sync.start_step == 0:  # the curve's first point; a restart goes on with it
                 self._evaluate(sync.start_step)
             self.events.write("start", step=sync.start_step)
             log.info("learner %s starts at step %d of %d", cfg.learner_id, sync.start_step, steps)

@@ -321,6 +321,10 @@ def test_a_restart_resumes_step_tokens_incarnation_and_optimizer_state(tmp_path:
     second = DecoupledDiLoCo(model2, "none", optimizer=opt2, state_dir=str(tmp_path), **SETTINGS)
     with second:
         assert (second.start_step, second.tokens) == (9, 9 * 32)
+        # Without a syncer its own weights are the model: they are restored too.
+        trained = model.state_dict()
+        for name, restored_weights in model2.state_dict().items():
+            assert torch.equal(restored_weights, trained[name])
         assert second.incarnation > first.incarnation
         restored = opt2.state_dict()["state"]
         original = opt.state_dict()["state"]
