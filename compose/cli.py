@@ -31,6 +31,7 @@ import zmq
 from compose.chaos_run import ChaosConfig, run_chaos
 from compose.cli_config import add_dataclass_args, dataclass_from_args
 from compose.lease import AUTO_ID, SlotLease, default_holder, learner_id_of, shard_of
+from compose.processes import STANDBY_ENV
 from compose.reporter import ReportConfig, run_report
 from compose.throttle import ThrottleConfig
 from learner.config import EvaluatorConfig, InitConfig, LearnerConfig
@@ -72,6 +73,13 @@ def _run_learner(cfg: LearnerConfig) -> int:
     from broker.files import EventLog
     from learner.worker import Learner
 
+    if os.environ.get(STANDBY_ENV):
+        # A warm spare: its imports are done; wait to be told to go on (and with
+        # what environment) as the learner it replaces. No line: not needed.
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        os.environ.update(json.loads(line))
     signal.signal(signal.SIGTERM, _exit_on_signal)
     lease = None
     if cfg.learner_id == AUTO_ID:

@@ -22,7 +22,12 @@ this host by a veth pair (:mod:`compose.netns`), so that ``ddiloco throttle
 ``--mode diloco`` runs synchronous DiLoCo on the same settings (K = M, no
 grace window, learners wait for each fragment's new global) and ``--mode ddp``
 runs data parallel (gloo all-reduce every step) on the same model, data and
-token budget, so every comparison is like for like.
+token budget, so every comparison is like for like. Under chaos, data parallel
+is elastic as torchrun's restarts are: a killed rank stops the whole group,
+which starts again after ``--restart-s`` from rank 0's last checkpoint.
+
+``--warm-spares`` keeps one spare process per learner with its imports done;
+a killed learner restarts in it, so a restart does not wait for Python and torch.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ from learner.workload import write_initial
 from syncer.config import OuterConfig, SyncerConfig
 
 MODES = ("decoupled", "diloco", "ddp")
+# Data parallel: the group is one learner, under one id, that rank 0 (process
+# learner-0) speaks for; every rank resumes from the checkpoint rank 0 keeps under it.
+DP_GROUP_ID = "learner-0"
 STOP_TIMEOUT_S = 120.0  # for each service to finish its last work when asked to stop
 
 
@@ -80,6 +88,7 @@ class LocalConfig:
     out: str | None = None  # the run folder; None: runs/<time>-<mode>
     chaos_mtbf_s: float = 0.0  # mean s between learner SIGKILLs (each learner Poisson); 0: off
     restart_s: float = 5.0  # delay before a killed process restarts
+    warm_spares: bool = False  # a killed learner restarts in a spare process, imports done
     kill_syncer_at_s: float = 0.0  # SIGKILL the syncer once, this many s in; 0: never
     kill_learner_at_s: float = 0.0  # SIGKILL learner-0 once, this many s in; 0: never
     slowdown: tuple[float, ...] = ()  # per-learner step-time factors, e.g. 1,1,1.5,2; empty: 1
@@ -98,10 +107,8 @@ class LocalConfig:
                 raise ValueError(f"{name}={value}: must be >= 0")
         if self.mode == "diloco" and self.run.quorum not in (0, m):
             raise ValueError("mode=diloco is synchronous: its quorum is M; drop --quorum")
-        if self.mode == "ddp" and (
-            self.chaos_mtbf_s or self.kill_syncer_at_s or self.kill_learner_at_s
-        ):
-            raise ValueError("mode=ddp has no fault tolerance to test: drop the chaos options")
+        if self.mode == "ddp" and self.kill_syncer_at_s:
+            raise ValueError("mode=ddp has no syncer to kill: drop --kill-syncer-at-s")
         if self.netns and (self.mode == "ddp" or self.run.url != RunSettings.url):
             raise ValueError("--netns needs the default ZeroMQ url and a syncer: drop --url")
 
@@ -206,7 +213,9 @@ class LocalRun:
             train=self.cfg.train,
             # Synchronous DiLoCo: each learner waits for each fragment's new global.
             sync=dataclasses.replace(self.cfg.sync, blocking=self.mode == "diloco"),
-            learner_id=name,
+            learner_id=DP_GROUP_ID if self.mode == "ddp" else name,
+            # Data parallel's checkpoint: weights, optimizer, step and tokens.
+            resume_optimizer=self.mode == "ddp",
             shard=0 if self.mode == "ddp" else i,  # data parallel: torchrun ranks shard
             num_shards=1 if self.mode == "ddp" else self.m,
             slowdown=self.cfg.slowdown[i] if self.cfg.slowdown else 1.0,
@@ -227,7 +236,9 @@ class LocalRun:
                 "RANK": str(i),
                 "LOCAL_RANK": str(i),
             }
-        return self._command(name, "learner", cfg, env)
+        proc = self._command(name, "learner", cfg, env)
+        proc.warm_spare = self.cfg.warm_spares
+        return proc
 
     # -- the run -----------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -316,9 +327,13 @@ class LocalRun:
                 supervisor.external_kills |= {
                     int(e["pid"]) for e in chaos_tail.read() if e.get("event") == "kill"
                 }
+                if self.mode == "ddp":  # before the supervisor restarts a rank on its own
+                    self._elastic_restart(supervisor.external_kills)
                 supervisor.check(now)
                 pids = self._write_processes(self.learners + services, pids)
                 up = [p.alive() and not p.done for p in self.learners]
+                if self.mode == "ddp":  # a group fails as one: only a whole group is up
+                    up = [all(up)] * self.m
                 for kill in chaos.due(now, up):
                     victim = by_name[kill.process]
                     victim.kill(self.events, kill.reason)
@@ -344,12 +359,47 @@ class LocalRun:
         self.events.append({"t": time.time(), "event": "run_end"})
         return self._report()
 
+    def _elastic_restart(self, external_kills: set[int]) -> None:
+        """Elastic data parallel, as torchrun's elastic restarts: when a rank is killed,
+        the launcher stops every rank; the supervisor starts them all again after
+        ``--restart-s`` (they were stopped in the same pass), on a fresh rendezvous
+        port, and they resume from rank 0's last checkpoint (weights, optimizer,
+        step, tokens: saved at the same steps as a decoupled learner's progress).
+        The steps since that checkpoint are lost and run again. Detection is
+        immediate: the launcher killed the rank itself, or saw ``ddiloco chaos``
+        do it. A rank that died on its own is a crash, which ends the run."""
+        down = [
+            p
+            for p in self.learners
+            if not p.done and p.restart_at is None and p.popen is not None
+            and p.popen.poll() not in (None, 0)
+        ]  # fmt: skip
+        killed = [p for p in down if p.killed_by_us or (p.popen and p.popen.pid in external_kills)]
+        if not killed:
+            return
+        self.events.append(
+            {"t": time.time(), "event": "group_stop", "failed": [p.name for p in killed]}
+        )
+        port = free_port_pair()
+        for proc in self.learners:
+            proc.env["MASTER_PORT"] = str(port)
+            if proc.alive():
+                proc.kill(self.events, "group_stop")
+            elif proc in down and proc not in killed:
+                # It died of its group's failure before it was stopped: stopped all the same.
+                proc.killed_by_us = True
+                self.events.append(
+                    {"t": time.time(), "event": "process_kill", "process": proc.name,
+                     "reason": "group_stop"}
+                )  # fmt: skip
+
     def _stop_all(self, finished: bool) -> None:
         """Stop every process. After a finished run, in the order that makes the last
         evaluation see the final model: the syncer merges what is pending (SIGUSR1)
         and keeps serving, the evaluator takes its final snapshot (SIGTERM), then the
         syncer writes its totals and exits (SIGTERM)."""
         for proc in self.learners:
+            proc.close_spare()
             if proc.alive():
                 proc.kill(self.events, "shutdown")
         syncer, evaluator = self.syncer, self.evaluator

@@ -20,6 +20,9 @@ from typing import IO, Any
 from rich.console import Console
 
 MAX_CRASHES = 5  # a process that dies on its own more often than this ends the run
+# Set for a warm spare: the process does its imports, then waits for one line on
+# stdin (JSON: environment to set) before it goes on as the process it replaces.
+STANDBY_ENV = "DDILOCO_STANDBY"
 
 
 def free_port_pair() -> int:
@@ -75,21 +78,55 @@ class Proc:
     kills: int = 0
     restarts: int = 0
     crashes: int = 0
+    warm_spare: bool = False  # keep a spare process, imports done, to start from
+    spare: subprocess.Popen[bytes] | None = None
 
-    def start(self, events: list[dict[str, Any]]) -> None:
-        self.close_files()
-        self.log_file = open(self.log_path, "ab")  # noqa: SIM115
+    def _spawn(self, standby: bool) -> subprocess.Popen[bytes]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
-        self.popen = subprocess.Popen(
+        if standby:
+            env[STANDBY_ENV] = "1"
+        return subprocess.Popen(
             self.args,
+            stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=self.log_file,
             env=env,
             start_new_session=True,
         )
+
+    def _take_spare(self) -> subprocess.Popen[bytes] | None:
+        """The spare, told to go on as this process (with this process's environment
+        now, e.g. a new rendezvous port), or None if it is gone."""
+        spare, self.spare = self.spare, None
+        if spare is None or spare.poll() is not None or spare.stdin is None:
+            return None
+        try:
+            spare.stdin.write(json.dumps(self.env).encode() + b"\n")
+            spare.stdin.close()
+        except BrokenPipeError:
+            return None
+        return spare
+
+    def start(self, events: list[dict[str, Any]]) -> None:
+        """Start the process: in its warm spare if it has one (the spare's interpreter
+        and imports are done), else fresh; then, with ``warm_spare``, the next spare."""
+        self.close_files()
+        self.log_file = open(self.log_path, "ab")  # noqa: SIM115
+        spare = self._take_spare()
+        self.popen = spare or self._spawn(standby=False)
+        if self.warm_spare:
+            self.spare = self._spawn(standby=True)
         self.killed_by_us = False
         self.restart_at = None
-        events.append({"t": time.time(), "event": "process_start", "process": self.name})
+        events.append(
+            {"t": time.time(), "event": "process_start", "process": self.name, "warm": bool(spare)}
+        )
+
+    def close_spare(self) -> None:
+        if self.spare is not None and self.spare.poll() is None:
+            self.spare.kill()
+            self.spare.wait(timeout=30)
+        self.spare = None
 
     def close_files(self) -> None:
         if self.log_file:
