@@ -108,6 +108,187 @@ def eval_curve(events: list[dict[str, Any]]) -> list[tuple[int, float]]:
     ]
 
 
+# Why a learner's time in its goodput window was not spent on kept steps, in the
+# order a restart goes through them (see goodput_breakdown).
+LOSS_CAUSES = ("restart_delay", "process_start", "join", "progress_lost")
+# The event that puts a learner in each state: (event, field naming the learner).
+_STATE_OF = {
+    ("start", "learner"): "training",
+    ("train_end", "learner"): "finished",
+    ("process_kill", "process"): "restart_delay",
+    ("process_crash", "process"): "restart_delay",
+    ("process_start", "process"): "process_start",
+    ("ready", "learner"): "join",
+}
+
+
+def _last_counters(
+    events: list[dict[str, Any]],
+) -> tuple[dict[tuple[str, int], dict[str, Any]], dict[str, list[float]]]:
+    """Per learner incarnation, the last cumulative counters it reported; per learner,
+    its reported step rates."""
+    last: dict[tuple[str, int], dict[str, Any]] = {}
+    rates: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if "learner" not in e or "incarnation" not in e:
+            continue
+        if e["event"] in ("step", "done"):
+            last[(e["learner"], e["incarnation"])] = e
+        if e["event"] == "step" and e.get("steps_per_s"):
+            rates[e["learner"]].append(e["steps_per_s"])
+    return last, rates
+
+
+def _tokens_per_learner(last: dict[tuple[str, int], dict[str, Any]]) -> dict[str, int]:
+    """The most tokens each learner id reported, across its incarnations."""
+    tokens: dict[str, int] = defaultdict(int)
+    for (name, _), e in last.items():
+        tokens[name] = max(tokens[name], int(e.get("tokens", 0)))
+    return tokens
+
+
+def _time_in_states(
+    events: list[dict[str, Any]], name: str, window: tuple[float, float], group: bool
+) -> dict[str, float]:
+    """Seconds learner ``name`` spent in each state within ``window``, from the
+    events that move it between states (``_STATE_OF``); 'unknown' before any.
+    A data-parallel ``group`` stops, and starts again, with any of its ranks."""
+
+    def mine(key: str, value: Any) -> bool:
+        if group and key == "process":
+            return str(value).startswith("learner-")
+        return bool(value == name)
+
+    seconds: dict[str, float] = defaultdict(float)
+    state, since = "unknown", window[0]
+    for e in events:
+        moves = [
+            st
+            for (kind, key), st in _STATE_OF.items()
+            if kind == e["event"] and mine(key, e.get(key))
+        ]
+        if not moves:
+            continue
+        t = min(max(e["t"], window[0]), window[1])
+        seconds[state] += t - since
+        state, since = moves[0], t
+    seconds[state] += window[1] - since
+    return seconds
+
+
+def _restarts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every restarted learner process that trained again: from its process start to
+    its 'ready' (interpreter, imports, model; imports_s of it to its imports done)
+    and on to its 'start' (joining)."""
+    start = next((e["t"] for e in events if e["event"] == "run_start"), events[0]["t"])
+    out = []
+    pending: dict[str, dict[str, float]] = {}
+    for e in events:
+        name = str(e.get("process") or e.get("learner") or "")
+        if e["event"] == "process_restart" and name in pending:
+            pending[name]["restart"] = 1.0
+        elif e["event"] == "process_start":
+            pending[name] = {"spawned": e["t"]}
+        elif e["event"] in ("process_kill", "process_crash"):
+            pending.pop(name, None)
+        elif e["event"] == "ready" and name in pending:
+            pending[name]["ready"] = e["t"]
+            pending[name]["imported"] = float(e.get("imported", e["t"]))
+        elif e["event"] == "start" and name in pending:
+            p = pending.pop(name)
+            if "restart" in p and "ready" in p:
+                out.append(
+                    {
+                        "learner": name,
+                        "at_s": round(p["spawned"] - start, 3),
+                        "process_start_s": round(p["ready"] - p["spawned"], 3),
+                        # A warm spare did its imports before it was started: none left.
+                        "imports_s": round(max(0.0, p["imported"] - p["spawned"]), 3),
+                        "join_s": round(e["t"] - p["ready"], 3),
+                        "restart_to_train_s": round(e["t"] - p["spawned"], 3),
+                    }
+                )
+    return out
+
+
+def goodput_breakdown(events: list[dict[str, Any]], mode: str, fragments: int) -> dict[str, Any]:
+    """Goodput, and where the rest went, from a run's events.
+
+    Goodput: tokens that reached the global model over what the learners would
+    have trained, at their own speed, had nothing stopped them from their first
+    start to their finish (their windows). A learner's speed is the steps it ran
+    over the time it ran them, from each incarnation's start to its last report
+    (steps it ran again after a restart count: they took time). Every delta
+    covers its learner's tokens once per fragment, hence the division by P.
+    Data parallel's group is one learner: its useful tokens are those trained.
+
+    Each second of a learner's window is worth its undisturbed tokens per second,
+    and is spent in one state, which the events set: training (from 'start'),
+    restart_delay (from a kill or crash: the wait the experiment sets, plus the
+    supervisor's poll), process_start (from the launcher starting the process:
+    interpreter, imports, model, and data parallel's rendezvous), join (from
+    'ready': connecting, loading the global or the checkpoint). Training time
+    whose tokens did not reach the model (steps run again after a restart,
+    progress never merged) is progress_lost. So goodput + the four causes + other
+    = 1, where other is time in no known state (none when the events are whole).
+    """
+    start = next(e["t"] for e in events if e["event"] == "run_start")
+    end = next((e["t"] for e in reversed(events) if e["event"] == "run_end"), events[-1]["t"])
+    rounds = [e for e in events if e["event"] == "round"]
+    last, _ = _last_counters(events)
+    tokens = _tokens_per_learner(last)
+    started: dict[tuple[str, int], tuple[float, int]] = {}
+    reached: dict[tuple[str, int], tuple[float, int]] = {}
+    for e in events:
+        if "learner" not in e or "incarnation" not in e:
+            continue
+        key = (e["learner"], e["incarnation"])
+        if e["event"] == "start":
+            started[key] = (e["t"], int(e.get("step", 0)))
+        elif e["event"] in ("step", "train_end") and "step" in e:
+            reached[key] = (e["t"], int(e["step"]))
+
+    undisturbed = 0.0
+    lost_tokens: dict[str, float] = defaultdict(float)  # undisturbed tokens per state
+    kept_s = 0.0  # time spent on steps that were kept (not run again after a restart)
+    window_s = 0.0
+    for name, learner_spans in _intervals(events, end).items():
+        runs = [(started[k], reached[k]) for k in started if k[0] == name and k in reached]
+        ran_steps = sum(step - from_step for (_, from_step), (_, step) in runs)
+        ran_s = sum(t - from_t for (from_t, _), (t, _) in runs)
+        if ran_steps <= 0 or ran_s <= 0:
+            continue
+        steps_per_s = ran_steps / ran_s
+        furthest = max(step for _, (_, step) in runs)
+        tokens_per_s = steps_per_s * tokens[name] / furthest
+        window = (min(s for s, _ in learner_spans), max(e for _, e in learner_spans))
+        undisturbed += tokens_per_s * (window[1] - window[0])
+        for state, seconds in _time_in_states(events, name, window, mode == "ddp").items():
+            lost_tokens[state] += tokens_per_s * seconds
+        kept_s += (furthest - min(from_step for (_, from_step), _ in runs)) / steps_per_s
+        window_s += window[1] - window[0]
+    if mode == "ddp":
+        useful = float(sum(tokens.values()))
+    else:
+        useful = sum(e["tokens"] for e in rounds) / fragments
+    lost_tokens["progress_lost"] = lost_tokens.pop("training", 0.0) - useful
+
+    def share(x: float) -> float:
+        return round(x / undisturbed, 4) if undisturbed > 0 else 0.0
+
+    lost = {cause: share(lost_tokens.pop(cause, 0.0)) for cause in LOSS_CAUSES}
+    lost["other"] = share(sum(lost_tokens.values()))
+    return {
+        "goodput": share(useful),
+        "goodput_time": round(kept_s / window_s, 4) if window_s > 0 else 0.0,
+        "lost": lost,
+        "useful_tokens": useful,
+        "undisturbed_tokens": round(undisturbed, 1),
+        "restarts": _restarts(events),
+        "wall_s": round(end - start, 2),
+    }
+
+
 def summarise(
     events: list[dict[str, Any]],
     mode: str,
@@ -122,28 +303,8 @@ def summarise(
     curve = eval_curve(events)
     rounds = [e for e in events if e["event"] == "round"]
 
-    # Per learner incarnation, the last cumulative counters it reported, and
-    # where (time, step) it started and last said how far it got.
-    last: dict[tuple[str, int], dict[str, Any]] = {}
-    started: dict[tuple[str, int], tuple[float, int]] = {}
-    reached: dict[tuple[str, int], tuple[float, int]] = {}
-    rates: dict[str, list[float]] = defaultdict(list)
-    for e in events:
-        if "learner" not in e or "incarnation" not in e:
-            continue
-        key = (e["learner"], e["incarnation"])
-        if e["event"] in ("step", "done"):
-            last[key] = e
-        if e["event"] == "start":
-            started[key] = (e["t"], int(e.get("step", 0)))
-        elif e["event"] in ("step", "train_end") and "step" in e:
-            reached[key] = (e["t"], int(e["step"]))
-        if e["event"] == "step" and e.get("steps_per_s"):
-            rates[e["learner"]].append(e["steps_per_s"])
-    per_learner_tokens: dict[str, int] = defaultdict(int)
-    for (name, _), e in last.items():
-        per_learner_tokens[name] = max(per_learner_tokens[name], int(e.get("tokens", 0)))
-    tokens_total = sum(per_learner_tokens.values())
+    last, rates = _last_counters(events)
+    tokens_total = sum(_tokens_per_learner(last).values())
 
     spans = _intervals(events, end)
     all_spans = [s for v in spans.values() for s in v]
@@ -153,30 +314,7 @@ def summarise(
         _union_length(all_spans) / (train_end - train_start) if train_end > train_start else 0.0
     )
 
-    # Goodput: tokens that reached the global model over what the learners would
-    # have trained, at their own speed, had nothing stopped them from their first
-    # start to their finish. A learner's speed is the steps it ran over the time
-    # it ran them, from each incarnation's start to its last report (steps it ran
-    # again after a restart count: they took time). Every delta covers its
-    # learner's tokens once per fragment, hence the division by P.
-    undisturbed = 0.0
-    kept_s = 0.0  # time spent on steps that were kept (not run again after a restart)
-    window_s = 0.0
-    for name, learner_spans in spans.items():
-        runs = [(started[k], reached[k]) for k in started if k[0] == name and k in reached]
-        ran_steps = sum(step - from_step for (_, from_step), (_, step) in runs)
-        ran_s = sum(t - from_t for (from_t, _), (t, _) in runs)
-        if ran_steps <= 0 or ran_s <= 0:
-            continue
-        steps_per_s = ran_steps / ran_s
-        furthest = max(step for _, (_, step) in runs)
-        tokens_per_step = per_learner_tokens[name] / furthest
-        window = max(e for _, e in learner_spans) - min(s for s, _ in learner_spans)
-        undisturbed += steps_per_s * tokens_per_step * window
-        kept_s += (furthest - min(from_step for (_, from_step), _ in runs)) / steps_per_s
-        window_s += window
-    useful = float(tokens_total) if mode == "ddp" else sum(e["tokens"] for e in rounds) / fragments
-    goodput = useful / undisturbed if undisturbed > 0 else 0.0
+    accounting = goodput_breakdown(events, mode, fragments)
 
     # Every refused entry whatever its reason: the syncer's reject events (written
     # as they happen, so a killed syncer's count survives), plus the frames its
@@ -187,7 +325,12 @@ def summarise(
         for reason, count in totals.get("rejected_by_reason", {}).items():
             if reason.startswith("transport_"):
                 rejected[reason] += int(count)
-    kills = [e for e in events if e["event"] == "process_kill" and e.get("reason") != "shutdown"]
+    # Failures: neither the stops at the end nor data parallel's group stops.
+    kills = [
+        e
+        for e in events
+        if e["event"] == "process_kill" and e.get("reason") not in ("shutdown", "group_stop")
+    ]
     restarts = [e for e in events if e["event"] == "process_restart"]
     summary: dict[str, Any] = {
         "mode": mode,
@@ -208,10 +351,13 @@ def summarise(
         "learner_kills": sum(1 for e in kills if e["process"].startswith("learner")),
         "learner_restarts": sum(1 for e in restarts if e["process"].startswith("learner")),
         "syncer_kills": sum(1 for e in kills if e["process"] == "syncer"),
-        "goodput": round(goodput, 4),
-        "goodput_time": round(kept_s / window_s, 4) if window_s > 0 else 0.0,
+        "group_stops": sum(1 for e in events if e["event"] == "group_stop"),
+        "goodput": accounting["goodput"],
+        "goodput_time": accounting["goodput_time"],
         "uptime": round(uptime, 4),
-        "merged_tokens": useful,
+        "merged_tokens": accounting["useful_tokens"],
+        "goodput_lost": accounting["lost"],
+        "restart_to_train_s": [r["restart_to_train_s"] for r in accounting["restarts"]],
         "mean_steps_per_s": round(statistics.mean(statistics.median(r) for r in rates.values()), 3)
         if rates
         else None,

@@ -12,6 +12,7 @@ from compose.report import (
     _intervals,
     _union_length,
     eval_curve,
+    goodput_breakdown,
     load_events,
     plot_run,
     summarise,
@@ -236,3 +237,121 @@ def test_plot_run_writes_two_pngs(tmp_path: Path) -> None:
     for p in written:
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def restart_events(mode: str) -> list[Event]:
+    """100 tokens per step, 10 steps/s when training, one fragment.
+
+    learner-0 trains 2..4.5 (steps 0..20 reported), is SIGKILLed at 4.5, its
+    process starts again at 7.5 (imports done 9.0, ready 9.5), it trains again
+    from its checkpoint at step 20 at 10 and finishes step 40 at 12. learner-1
+    (decoupled only) trains 2..6 undisturbed. In data parallel the group is
+    learner-0; rank 1 is the one killed, and the launcher stops rank 0 after.
+    """
+    victim = "learner-1" if mode == "ddp" else "learner-0"
+    events: list[Event] = [
+        {"t": 0.0, "event": "run_start", "mode": mode},
+        {"t": 0.0, "event": "process_start", "process": "learner-0"},
+        {"t": 1.0, "event": "ready", "learner": "learner-0", "incarnation": 0, "imported": 0.8},
+        {"t": 2.0, "event": "start", "learner": "learner-0", "incarnation": 0, "step": 0},
+        step(3.0, "learner-0", 0, 10, 1000, 10.0, 0, 0),
+        step(4.0, "learner-0", 0, 20, 2000, 10.0, 0, 0),
+        {"t": 4.5, "event": "process_kill", "process": victim, "reason": "chaos"},
+        {"t": 7.5, "event": "process_start", "process": "learner-0"},
+        {"t": 7.5, "event": "process_restart", "process": "learner-0"},
+        {"t": 9.5, "event": "ready", "learner": "learner-0", "incarnation": 1, "imported": 9.0},
+        {"t": 10.0, "event": "start", "learner": "learner-0", "incarnation": 1, "step": 20},
+        step(11.0, "learner-0", 1, 30, 3000, 10.0, 0, 0),
+        {"t": 12.0, "event": "train_end", "learner": "learner-0", "incarnation": 1, "step": 40},
+        {"t": 12.0, "event": "done", "learner": "learner-0", "incarnation": 1, "tokens": 4000},
+        {"t": 12.5, "event": "run_end"},
+    ]
+    if mode == "ddp":
+        events += [
+            {"t": 4.7, "event": "group_stop", "failed": ["learner-1"]},
+            {"t": 4.7, "event": "process_kill", "process": "learner-0", "reason": "group_stop"},
+            {"t": 7.5, "event": "process_start", "process": "learner-1"},
+            {"t": 7.5, "event": "process_restart", "process": "learner-1"},
+        ]
+    else:
+        events += [
+            {"t": 2.0, "event": "start", "learner": "learner-1", "incarnation": 0, "step": 0},
+            step(4.0, "learner-1", 0, 20, 2000, 10.0, 0, 0),
+            {"t": 6.0, "event": "train_end", "learner": "learner-1", "incarnation": 0, "step": 40},
+            {"t": 6.0, "event": "done", "learner": "learner-1", "incarnation": 0, "tokens": 4000},
+            {"t": 6.0, "event": "round", "fragment": 0, "included": 2, "tokens": 7500},
+        ]
+    return sorted(events, key=lambda e: e["t"])
+
+
+def test_lost_goodput_by_cause_decoupled() -> None:
+    """Undisturbed: 1000 tokens/s each, learner-0 over 2..12, learner-1 over 2..6:
+    14000. learner-0 lost 3 s waiting to restart (4.5..7.5), 2 s starting its
+    process, 0.5 s joining; 4.5 + 4 s of training made 8500 tokens, 7500 merged."""
+    b = goodput_breakdown(restart_events("decoupled"), "decoupled", fragments=1)
+    assert b["undisturbed_tokens"] == 14000
+    assert b["goodput"] == round(7500 / 14000, 4)
+    assert b["lost"] == {
+        "restart_delay": round(3000 / 14000, 4),
+        "process_start": round(2000 / 14000, 4),
+        "join": round(500 / 14000, 4),
+        "progress_lost": round(1000 / 14000, 4),
+        "other": 0.0,
+    }
+    assert b["goodput"] + sum(b["lost"].values()) == pytest.approx(1, abs=1e-3)
+    assert b["restarts"] == [
+        {"learner": "learner-0", "at_s": 7.5, "process_start_s": 2.0, "imports_s": 1.5,
+         "join_s": 0.5, "restart_to_train_s": 2.5}
+    ]  # fmt: skip
+
+
+def test_lost_goodput_by_cause_elastic_data_parallel() -> None:
+    """The group stops when rank 1 dies (4.5), not when the launcher stops rank 0;
+    its useful tokens are those it trained, 4000 of the 4500 its training time made
+    (steps after the checkpoint at 20 ran again)."""
+    b = goodput_breakdown(restart_events("ddp"), "ddp", fragments=1)
+    assert b["undisturbed_tokens"] == 10000
+    assert b["goodput"] == 0.4
+    assert b["lost"] == {
+        "restart_delay": 0.3,
+        "process_start": 0.2,
+        "join": 0.05,
+        "progress_lost": 0.05,
+        "other": 0.0,
+    }
+    assert [r["restart_to_train_s"] for r in b["restarts"]] == [2.5]
+
+
+def test_a_learner_killed_while_it_starts_waits_again() -> None:
+    """Killed at 8.5, before it was ready; started again at 9.0. The whole gap
+    from 4.5 to 10 is restart delay (3 + 0.5 s), process start (1 + 0.5 s) and join, and
+    the interrupted start is no restart that trained."""
+    events = restart_events("decoupled")
+    events += [
+        {"t": 8.5, "event": "process_kill", "process": "learner-0", "reason": "chaos"},
+        {"t": 9.0, "event": "process_start", "process": "learner-0"},
+        {"t": 9.0, "event": "process_restart", "process": "learner-0"},
+    ]
+    events.sort(key=lambda e: e["t"])
+    b = goodput_breakdown(events, "decoupled", fragments=1)
+    assert b["lost"]["restart_delay"] == round(3500 / 14000, 4)
+    assert b["lost"]["process_start"] == round(1500 / 14000, 4)
+    assert b["lost"]["join"] == round(500 / 14000, 4)
+    assert [r["at_s"] for r in b["restarts"]] == [9.0]
+
+
+def test_the_summary_carries_the_breakdown() -> None:
+    s = summarise(restart_events("decoupled"), mode="decoupled", learners=2, steps=40,
+                  fragments=1)  # fmt: skip
+    assert s["goodput_lost"]["restart_delay"] == round(3000 / 14000, 4)
+    assert s["restart_to_train_s"] == [2.5]
+
+
+def test_a_warm_spare_has_no_imports_left() -> None:
+    """Its imports were done before the restart started it (at 3.0, not after 7.5)."""
+    events = restart_events("decoupled")
+    for e in events:
+        if e["event"] == "ready" and e["incarnation"] == 1:
+            e["imported"] = 3.0
+    (restart,) = goodput_breakdown(events, "decoupled", fragments=1)["restarts"]
+    assert (restart["imports_s"], restart["process_start_s"]) == (0.0, 2.0)
