@@ -463,3 +463,11 @@ def test_check_helpers_directly() -> None:
     config_checks.check_choice("c", "a", ("a", "b"))
     with pytest.raises(ValueError, match="^c="):
         config_checks.check_choice("c", "z", ("a", "b"))
+
+
+def test_data_parallel_takes_learner_chaos_but_has_no_syncer_to_kill() -> None:
+    from compose.local import LocalConfig
+
+    LocalConfig(mode="ddp", chaos_mtbf_s=15, kill_learner_at_s=4)  # elastic restarts
+    with pytest.raises(ValueError, match=r"mode=ddp has no syncer.*--kill-syncer-at-s"):
+        LocalConfig(mode="ddp", kill_syncer_at_s=5)
