@@ -22,7 +22,7 @@ VAL_PERCENT = 10
 
 @dataclass(frozen=True)
 class Corpus:
-    train: torch.Tensor  # 1-D int64 token ids
+    train: torch.Tensor  # 1-D token ids: uint8 for bytes (int64 only per batch), else int64
     val: torch.Tensor
     source: str
 
@@ -44,7 +44,8 @@ def stdlib_corpus() -> Corpus:
 
 
 def _bytes_to_ids(data: bytes) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
+    # Bytes stay bytes: widening 5 MB to int64 at start took most of a restart's build.
+    return torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))
 
 
 def file_corpus(path: str, vocab_size: int) -> Corpus:
@@ -99,6 +100,7 @@ class BatchSampler:
             0, self.tokens.numel() - self.seq_len - 1, (self.batch_size,), generator=self.gen
         )
         window = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
+        window = window.long()
         return window[:, :-1], window[:, 1:]
 
 
@@ -109,7 +111,7 @@ def eval_batches(
     count = batch_size * num_batches
     stride = max(1, (val.numel() - seq_len - 1) // count)
     starts = [i * stride for i in range(count)]
-    window = torch.stack([val[s : s + seq_len + 1] for s in starts])
+    window = torch.stack([val[s : s + seq_len + 1] for s in starts]).long()
     return [
         (window[i : i + batch_size, :-1], window[i : i + batch_size, 1:])
         for i in range(0, count, batch_size)
