@@ -144,9 +144,22 @@ def _mean(runs: list[dict[str, Any]], key: str) -> float:
     return round(statistics.mean(r[key] for r in runs), 4)
 
 
+def _spread(seconds: list[float]) -> dict[str, Any]:
+    if not seconds:
+        return {"count": 0}
+    return {
+        "count": len(seconds),
+        "median": round(statistics.median(seconds), 2),
+        "mean": round(statistics.mean(seconds), 2),
+        "max": round(max(seconds), 2),
+        "within_target": sum(s <= TARGETS["restart_to_train_s"] for s in seconds),
+    }
+
+
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One system's figures over its seeds."""
-    restarts = [r["restart_to_train_s"] for run in runs for r in run["restarts"]]
+    """One system's figures over its seeds. Restarts in a spare whose imports were
+    done apart from those where it was still importing (a kill soon after the last)."""
+    restarts = [r for run in runs for r in run["restarts"]]
     return {
         "goodput": _mean(runs, "goodput"),
         "uptime": _mean(runs, "uptime"),
@@ -155,10 +168,14 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             for cause in (*LOSS_CAUSES, "other")
         },
         "kills": round(statistics.mean(len(r["kills"]) for r in runs), 2),
-        "restart_to_train_s": {
-            "mean": round(statistics.mean(restarts), 2) if restarts else None,
-            "max": round(max(restarts), 2) if restarts else None,
-            "count": len(restarts),
+        "restart_to_train_s": _spread([r["restart_to_train_s"] for r in restarts])
+        | {
+            "spare_ready": _spread(
+                [r["restart_to_train_s"] for r in restarts if not r["imports_s"]]
+            ),
+            "spare_importing": _spread(
+                [r["restart_to_train_s"] for r in restarts if r["imports_s"]]
+            ),
         },
         "wall_s": _mean(runs, "wall_s"),
     }
