@@ -15,6 +15,9 @@ processes, real SIGKILLs.
   checkpoint (torchrun's elastic restarts). It checkpoints at the same steps
   as a decoupled learner saves its progress.
 
+Both run with ``--warm-spares``: a restart goes on in a spare process whose
+imports are done, so it does not wait for Python and torch.
+
 Each run's goodput, uptime and lost goodput by cause come from its events
 (``compose.report.goodput_breakdown``): restart delay (what the experiment
 sets), process start (process spawned to the learner built: interpreter,
