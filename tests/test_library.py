@@ -139,10 +139,14 @@ def test_two_learners_train_a_user_model_in_their_own_loops(tmp_path: Path) -> N
     before = held_out_loss(initial)
     frozen_before = {k: v.clone() for k, v in initial.frozen.state_dict().items()}
     models = [make_model() for _ in range(2)]
+    # Both learners train at once, as the rounds-of-both check below needs: a join
+    # slower than the other learner's 60 steps left one learner training alone.
+    joined = threading.Barrier(2, timeout=60)
     with running_syncer(tmp_path, initial, learners=2, quorum=2) as (syncer, url):
 
         def learner(i: int) -> None:
             with DecoupledDiLoCo(models[i], url, learner_id=f"l{i}", learners=2, **SETTINGS) as s:
+                joined.wait()
                 train(s, models[i], steps=60, seed=i)
 
         threads = [threading.Thread(target=learner, args=(i,)) for i in range(2)]
