@@ -196,11 +196,7 @@ def test_bf16_parameters_and_tied_weights_round_trip(tmp_path: Path) -> None:
                 rebuilt = sync.fragments.base[p] - sync.fragments.delta(p, sync.params)
                 held = sync.plan.flatten(sync.params, p)
                 assert torch.allclose(rebuilt, held, rtol=1e-6, atol=1e-7)
-        # The step-time bound may refuse the tiny model's first delta when its
-        # first steps were slow and the next ones fast (seen once in CI); this
-        # test is about the bf16 round trip, so only that refusal is allowed.
-        assert sync.delivered and set(syncer.rejected) <= {"too_many_steps"}
-        assert sum(syncer.rejected.values()) <= 1
+        assert sync.delivered and not syncer.rejected
         assert min(s.version for s in syncer.states.values()) >= 3
         # Down: a global lands in bf16 parameters as exactly its bf16 rounding.
         fresh = make_model(dtype=torch.bfloat16, tied=True)
