@@ -37,8 +37,13 @@ def run_example(name: str, *args: str) -> dict[str, object]:
 def test_plain_loop_example_learns_over_zeromq() -> None:
     url = f"zmq://127.0.0.1:{free_port_pair()}"
     result = run_example("plain_loop.py", "--steps", "200", "--url", url)
+    # "after" is the global model's loss: only merged deltas can have lowered it.
     assert result["after"] < 0.25 * result["before"], result  # type: ignore[operator]
-    assert min(result["versions"]) >= 10  # type: ignore[type-var, arg-type]
+    # More than one round per fragment. How many more is a race: the example's
+    # learners run 200 steps of a toy in well under a second, so on a busy machine
+    # later deltas of a learner supersede its earlier ones before the syncer merges
+    # them (a CI run merged 6 rounds, an idle one 17-29).
+    assert min(result["versions"]) >= 2  # type: ignore[type-var, arg-type]
 
 
 @pytest.mark.timeout(300)

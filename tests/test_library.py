@@ -41,6 +41,7 @@ from tests.servers import RedisServer, free_port, wait_until
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS: dict[str, Any] = dict(run_id="lib", fragments=2, sync_every=4, overlap=1)
+STEP_S = 0.005  # the least time one training step takes (see train)
 
 
 class Regressor(nn.Module):
@@ -130,6 +131,12 @@ def train(
         loss.backward()
         opt.step()
         opt.zero_grad()
+        # A real model's step takes milliseconds; this toy's takes a fraction of
+        # one, and its learners share the process (and the GIL) with the syncer
+        # under test, which they would otherwise outrun by whole rounds when the
+        # machine is busy: rounds of one learner, superseded deltas, and a pace
+        # measured in a stall that makes its honest step counts look impossible.
+        time.sleep(STEP_S)
         sync.step(weight=len(x))
 
 
