@@ -67,7 +67,7 @@ class _Collect(SyncerTransport):
     def refuse(self, item: Inbound, reason: str) -> None:
         self.refused += 1
 
-    def publish(self, fragment: GlobalFragment) -> None:
+    def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
         self.published += 1
 
     def close(self) -> None:

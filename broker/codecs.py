@@ -38,6 +38,17 @@ _QMAX = {"int8": 127, "int4": 7}
 _CHUNK_VALUES = 1 << 16
 
 
+def apply_change(base: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
+    """The version a published change makes of the version it is the change from.
+
+    One definition for the syncer, which keeps the version it publishes, and
+    every learner, which builds the version it holds: an elementwise fp32 sum
+    is rounded the same on every machine, so all of them hold the same bits.
+    A new tensor; ``base`` is shared with others and never written.
+    """
+    return torch.add(base, change)
+
+
 class CodecError(ValueError):
     """Bytes that do not decode under the named codec, or a bad codec name."""
 
@@ -83,6 +94,13 @@ class Codec:
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def sends_changes(self) -> bool:
+        """As the global codec: whether each version goes out as the change from
+        the one before it. Lossy codecs quantise the change (a small tensor, so
+        small errors), not the weights; fp32 sends the weights as they are."""
+        return self.quant != "fp32"
 
     # -- sizes -----------------------------------------------------------
     def quantised_size(self, numel: int) -> int:

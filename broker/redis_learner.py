@@ -121,6 +121,7 @@ class RedisLearnerTransport(LearnerTransport):
         self._reconnect = Reconnect(f"learner {learner_id}")
         self._queue: deque[_QueuedDelta] = deque()
         self._globals = globals_stream_key(run_id)
+        self._wanted: set[int] = set()  # fragments to fetch the snapshot of (resync)
         # Read position in the globals stream; None until the first snapshot or poll.
         self._position: str | None = None
         # Refusals of our deltas, read with the globals; old incarnations' are skipped.
@@ -221,9 +222,19 @@ class RedisLearnerTransport(LearnerTransport):
             self._reconnect, deadline, self._read_globals, self._failed, before=self._send_queued
         )
 
+    def resync(self, fragment: int) -> None:
+        if 0 <= fragment < self.num_fragments:
+            self._wanted.add(fragment)
+
     def _read_globals(self, deadline: float) -> list[GlobalFragment]:
         if self._position is None:
             return self._resync()
+        if self._wanted:
+            wanted = sorted(self._wanted)
+            found = self._fetch_snapshots(wanted)
+            self._wanted.difference_update(wanted)  # once fetched: an error reads again
+            if found:
+                return found
         block_ms = read_block_ms(deadline, self._max_block_s)
         streams: dict[KeyT, StreamIdT] = {
             self._globals: self._position,

@@ -120,7 +120,7 @@ class RedisSyncerTransport(SyncerTransport):
         self._next_heartbeat_read_at = 0.0
         self._trim_waiting: set[str] = set()
         self._next_trim_at: dict[str, float] = {}
-        self._unpublished: dict[int, bytes] = {}
+        self._unpublished: dict[int, tuple[bytes, bytes]] = {}  # (to stream, snapshot)
         self._next_trimmed_check_at = 0.0
         try:
             self._ensure_groups()
@@ -487,7 +487,7 @@ class RedisSyncerTransport(SyncerTransport):
         return f"{ms}-{seq}"
 
     # -- publishing --------------------------------------------------------------
-    def publish(self, fragment: GlobalFragment) -> None:
+    def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
         """Write the snapshot key and append to the globals stream, atomically.
 
         Never raises on connection errors: the newest unpublished global of each
@@ -496,15 +496,17 @@ class RedisSyncerTransport(SyncerTransport):
         """
         if fragment.run_id != self.run_id:
             raise ValueError(f"global of run {fragment.run_id!r} published on run {self.run_id!r}")
-        self._unpublished[fragment.fragment] = encode_bounded(fragment, self.max_message_bytes)
+        frame = encode_bounded(fragment, self.max_message_bytes)
+        whole = frame if snapshot is None else encode_bounded(snapshot, self.max_message_bytes)
+        self._unpublished[fragment.fragment] = (frame, whole)
         self._attempt(self._publish_queued)
 
     def _publish_queued(self) -> None:
         if not self._unpublished:
             return
         pipe = self._client.pipeline(transaction=True)
-        for p, frame in self._unpublished.items():
-            pipe.set(model_key(self.run_id, p), frame)
+        for p, (frame, whole) in self._unpublished.items():
+            pipe.set(model_key(self.run_id, p), whole)
             pipe.xadd(
                 globals_stream_key(self.run_id),
                 {FIELD: frame},
@@ -512,8 +514,8 @@ class RedisSyncerTransport(SyncerTransport):
                 approximate=False,
             )
         pipe.execute()
-        for frame in self._unpublished.values():
-            self.stats.bytes_sent += 2 * len(frame)  # the frame travels twice: SET and XADD
+        for frame, whole in self._unpublished.values():
+            self.stats.bytes_sent += len(frame) + len(whole)  # XADD and SET
             self.stats.messages_sent += 1
         self._unpublished.clear()
 

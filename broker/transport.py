@@ -13,9 +13,10 @@ Delivery contract
   syncer acknowledges an inbound delta only after the update it fed is
   durable, and de-duplicates by (learner, incarnation, seq); together this is
   exactly-once application.
-* Globals reach learners in version order per fragment; a learner that missed
-  one (dropped, trimmed, joined late) sees a gap and fetches the latest
-  snapshot of that fragment instead. Versions compare within a syncer epoch
+* Globals reach learners in version order per fragment, as weights or as the
+  change from the version before; a learner that missed one (dropped,
+  trimmed, joined late) sees a gap and fetches the latest snapshot of that
+  fragment (always weights) instead. Versions compare within a syncer epoch
   only. A transport hands globals over as candidates and records a version
   only once the learner has validated the global (:meth:`LearnerTransport.accepted`):
   a malformed global with a huge version cannot make it drop the real ones.
@@ -136,6 +137,11 @@ class LearnerTransport(abc.ABC):
         whatever version was accepted before. Fragments nobody has published yet
         are missing from the result."""
 
+    @abc.abstractmethod
+    def resync(self, fragment: int) -> None:
+        """Fetch the latest snapshot of ``fragment``: a change arrived for a version
+        the learner does not hold (it rejected the one before, say)."""
+
     def refused_fragments(self) -> set[int]:
         """Fragments whose deltas the syncer refused since the last call. The
         transport has forgotten their versions and asked for their latest global:
@@ -206,8 +212,10 @@ class SyncerTransport(abc.ABC):
         """Tell the sender its delta was refused, and never deliver it again."""
 
     @abc.abstractmethod
-    def publish(self, fragment: GlobalFragment) -> None:
-        """Publish a new global and make it the snapshot joiners get."""
+    def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
+        """Publish a new global to every learner, and make ``snapshot`` (the same
+        version as weights; ``fragment`` itself when None) what joiners and
+        learners that missed a version get."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -31,7 +31,8 @@ try:
 except ImportError:  # a platform without isal's wheel
     from zlib import crc32
 
-SCHEMA_VERSION = 2  # 2: globals carry their syncer epoch, deltas their base's
+# 2: globals carry their syncer epoch, deltas their base's; 3: a global may be a change
+SCHEMA_VERSION = 3
 MAGIC = b"DDL1"
 _PREFIX = struct.Struct("<4sII")
 _CRC = struct.Struct("<I")
@@ -75,6 +76,11 @@ def _check_slot(name: str, v: Any) -> None:
         raise WireError("bad_field", f"{name} must be an integer in [-1, 2^31)")
 
 
+def _check_version_or_none(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not -1 <= v <= _U63:
+        raise WireError("bad_field", f"{name} must be -1 or an integer in [0, 2^63)")
+
+
 def _check_hash(name: str, v: Any) -> None:
     if not isinstance(v, str) or not _HASH_RE.match(v):
         raise WireError("bad_field", f"{name} must be 16 lowercase hex digits")
@@ -108,6 +114,7 @@ _CHECKS = {
     "base_epoch": _check_uint,
     "epoch": _check_uint,
     "version": _check_uint,
+    "change_from": _check_version_or_none,
     "step": _check_uint,
     "c_steps": _check_uint,
     "c_tokens": _check_uint,
@@ -208,6 +215,21 @@ class GlobalFragment(_TensorMessage):
     epoch: int = 0
     version: int = 0
     sent_at: float = 0.0
+    # -1: the payload is the fragment's weights (a snapshot). Otherwise the
+    # version it is the change from, always version - 1 of the same epoch: the
+    # receiver adds it to the weights of that version it holds
+    # (:func:`broker.codecs.apply_change`), and one that does not hold them
+    # fetches a snapshot.
+    change_from: int = -1
+
+    def validate(self) -> None:
+        super().validate()
+        if self.change_from != -1 and self.change_from != self.version - 1:
+            raise WireError("bad_field", "change_from must be -1 or version - 1")
+
+    @property
+    def is_change(self) -> bool:
+        return self.change_from >= 0
 
 
 @dataclass(frozen=True)

@@ -252,6 +252,10 @@ class ZmqLearnerTransport(LearnerTransport):
         if fragment not in self._awaiting:
             self._awaiting[fragment] = (0.0, _RESYNC_FIRST_RETRY_S)
 
+    def resync(self, fragment: int) -> None:
+        if 0 <= fragment < self.num_fragments:
+            self._resync(fragment)
+
     def _retry_resyncs(self) -> None:
         now = time.monotonic()
         for p, (due, retry_s) in list(self._awaiting.items()):
@@ -273,8 +277,8 @@ class ZmqLearnerTransport(LearnerTransport):
             and g.version > 1 + max([known[1]] + [r.version for r in ready if r.epoch == g.epoch])
         ):
             # Missed at least one version (PUB dropped it, or we were away):
-            # this one is complete weights so we offer it, and ask for the
-            # latest in case the tail was dropped too.
+            # ask for the latest. Weights are offered too (a change the learner
+            # cannot apply, it drops).
             self.gaps += 1
             self._resync(g.fragment)
         # A global of another epoch is a restarted syncer's new lineage: offered
@@ -546,9 +550,11 @@ class ZmqSyncerTransport(SyncerTransport):
         refusal = Refusal.of(d, reason)
         self._send_to(item.token, (wire.encode(refusal),))
 
-    def publish(self, fragment: GlobalFragment) -> None:
+    def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
         parts = wire.encode_parts(fragment, self.max_message_bytes)
-        self._latest[fragment.fragment] = parts
+        self._latest[fragment.fragment] = (
+            parts if snapshot is None else wire.encode_parts(snapshot, self.max_message_bytes)
+        )
         try:
             _send(self._pub, (GLOBALS_TOPIC, *parts))
         except zmq.Again:

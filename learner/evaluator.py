@@ -21,7 +21,7 @@ from broker.fragments import FragmentPlan, synced_parameters
 from broker.transport import LearnerTransport, TransportError
 from learner.config import EvaluatorConfig
 from learner.fragment_sync import FragmentSync
-from learner.join import decode_global, join_snapshot
+from learner.join import GlobalDecoder, join_snapshot
 from learner.workload import WorkloadContext, load_workload
 
 log = logging.getLogger(__name__)
@@ -51,11 +51,12 @@ class Evaluator:
             num_fragments=cfg.run.fragments,
             max_message_bytes=self.plan.max_message_bytes,
         )
+        self.decoder = GlobalDecoder(self.plan, self.transport)
 
     def _catch_up(self, timeout_s: float) -> None:
         """Apply the globals that arrived within ``timeout_s``."""
         for g in self.transport.poll(timeout_s):
-            decoded = decode_global(g, self.plan)
+            decoded = self.decoder.decode(g)
             if isinstance(decoded, str):
                 log.warning("refused global %d v%d: %s", g.fragment, g.version, decoded)
                 continue
@@ -64,7 +65,7 @@ class Evaluator:
                 self.fragments.apply(*decoded, self.params)
 
     def _load_snapshot(self, timeout_s: float) -> None:
-        for p, stamp, flat in join_snapshot(self.transport, self.plan, timeout_s):
+        for p, stamp, flat in join_snapshot(self.transport, self.decoder, timeout_s):
             if self.fragments.is_newer(p, stamp):
                 self.fragments.apply(p, stamp, flat, self.params)
 

@@ -8,31 +8,61 @@ import time
 
 import torch
 
+from broker.codecs import apply_change
 from broker.fragments import FragmentPlan
 from broker.transport import LearnerTransport, TransportError
 from broker.wire import GlobalFragment, WireError
 from learner.fragment_sync import Stamp
 
+NO_BASE = "no_base"  # a change from a version this learner does not hold
 
-def decode_global(g: GlobalFragment, plan: FragmentPlan) -> tuple[int, Stamp, torch.Tensor] | str:
-    """(fragment, (epoch, version), weights) of a global that fits ``plan``, else why not."""
-    if g.plan_hash != plan.plan_hash:
-        return "wrong_plan"
-    if g.fragment >= plan.num_fragments or g.numel != plan.fragment_numel(g.fragment):
-        return "bad_shape"
-    try:
-        flat = g.tensor()
-    except WireError as e:
-        return e.reason
-    if not torch.isfinite(flat).all():
-        return "non_finite"
-    return g.fragment, (g.epoch, g.version), flat
+
+class GlobalDecoder:
+    """Globals checked against this learner's plan and decoded to weights.
+
+    Keeps the weights of the version of each fragment it last decoded: a global
+    that is a change (:attr:`broker.wire.GlobalFragment.is_change`) is added to
+    them (:func:`broker.codecs.apply_change`, the syncer's own rule, so the
+    result is bit for bit the syncer's version). A change from any other
+    version is refused as ``no_base`` and the fragment's snapshot fetched.
+    Callers hand every global they take to :meth:`decode`, in arrival order, and
+    mark it accepted on the transport once decoded.
+    """
+
+    def __init__(self, plan: FragmentPlan, transport: LearnerTransport | None = None) -> None:
+        self.plan = plan
+        self.transport = transport
+        self._held: dict[int, tuple[Stamp, torch.Tensor]] = {}
+
+    def decode(self, g: GlobalFragment) -> tuple[int, Stamp, torch.Tensor] | str:
+        """(fragment, (epoch, version), weights) of a global that fits the plan, else why not."""
+        plan = self.plan
+        if g.plan_hash != plan.plan_hash:
+            return "wrong_plan"
+        if g.fragment >= plan.num_fragments or g.numel != plan.fragment_numel(g.fragment):
+            return "bad_shape"
+        held = self._held.get(g.fragment)
+        if g.is_change and (held is None or held[0] != (g.epoch, g.change_from)):
+            if self.transport is not None:
+                self.transport.resync(g.fragment)
+            return NO_BASE
+        try:
+            flat = g.tensor()
+        except WireError as e:
+            return e.reason
+        if held is not None and g.is_change:
+            flat = apply_change(held[1], flat)
+        if not torch.isfinite(flat).all():
+            return "non_finite"
+        self._held[g.fragment] = ((g.epoch, g.version), flat)
+        return g.fragment, (g.epoch, g.version), flat
 
 
 def join_snapshot(
-    transport: LearnerTransport, plan: FragmentPlan, timeout_s: float
+    transport: LearnerTransport, decoder: GlobalDecoder, timeout_s: float
 ) -> list[tuple[int, Stamp, torch.Tensor]]:
     """Every fragment of the current global model, for joining or rejoining."""
+    plan = decoder.plan
     deadline = time.monotonic() + timeout_s
     wanted = list(range(plan.num_fragments))
     got: dict[int, GlobalFragment] = {}
@@ -55,7 +85,7 @@ def join_snapshot(
                 f"{plan.plan_hash}: use the same model, --fragments and --sync-every "
                 "as `ddiloco init`"
             )
-        decoded = decode_global(g, plan)
+        decoded = decoder.decode(g)
         if isinstance(decoded, str):
             raise ValueError(f"the syncer's snapshot of fragment {g.fragment} is bad: {decoded}")
         transport.accepted(g)

@@ -62,7 +62,7 @@ from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
 from learner.config import ProcessConfig, SyncConfig
 from learner.fragment_sync import FragmentSync, Stamp
 from learner.group import TorchrunGroup
-from learner.join import decode_global, join_snapshot
+from learner.join import GlobalDecoder, join_snapshot
 from learner.telemetry import LearnerMetrics, ProgressFile
 
 log = logging.getLogger(__name__)
@@ -170,8 +170,9 @@ class DecoupledDiLoCo:
                 max_message_bytes=self.plan.max_message_bytes,
             )
         arrived: list[tuple[int, Stamp, torch.Tensor]] = []
+        decoder = GlobalDecoder(self.plan, self.transport)
         if self.transport is not None:
-            arrived = join_snapshot(self.transport, self.plan, self.process.join_timeout_s)
+            arrived = join_snapshot(self.transport, decoder, self.process.join_timeout_s)
         for p, stamp, flat in self.group.share_globals(arrived, self.plan):
             if self.load_global:
                 self._apply(p, stamp, flat, mix_alpha=0.0)
@@ -186,7 +187,7 @@ class DecoupledDiLoCo:
             self.comm = CommThread(
                 self.transport,
                 encoder,
-                check=lambda g: decode_global(g, self.plan),
+                check=decoder.decode,
                 max_queued_bytes=max(
                     MIN_QUEUED_BYTES,
                     int(self.sync_cfg.max_queued_models * 4 * self.plan.total_numel),
@@ -412,7 +413,8 @@ def load_global_model(
         max_message_bytes=plan.max_message_bytes,
     )
     try:
-        for p, stamp, flat in join_snapshot(transport, plan, process.join_timeout_s):
+        decoder = GlobalDecoder(plan, transport)
+        for p, stamp, flat in join_snapshot(transport, decoder, process.join_timeout_s):
             fragments.apply(p, stamp, flat, params)
     finally:
         transport.close()

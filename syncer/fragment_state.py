@@ -20,7 +20,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from broker.codecs import Codec
+from broker.codecs import Codec, apply_change
 from broker.wire import Delta
 from syncer.aggregation import (
     SAFE_MAGNITUDE,
@@ -100,7 +100,6 @@ class _Contribution:
 @dataclass
 class RoundResult:
     version: int
-    payload: Payload  # the published global, encoded
     included: int  # deltas merged
     tokens: int  # tokens whose updates reach the global model for the first time
     refs: list[Any]  # everything to acknowledge once the new state is durable
@@ -130,17 +129,48 @@ def _token(ref: Any) -> Any:
     return token
 
 
-def canonical(codec: Codec, weights: torch.Tensor) -> tuple[torch.Tensor, Payload]:
-    """Encode weights for publishing, and the exact weights learners will decode.
+FP32 = Codec("fp32")
 
-    fp32 decodes to ``weights`` bit for bit: they are returned as they are, with
-    a read-only view of their bytes as the payload, no copy (the master is
-    replaced, never modified in place, so history and the payload may share it)."""
-    if codec.quant == "fp32" and codec.lossless == "none":
-        flat = weights.detach().reshape(-1).to("cpu", torch.float32).contiguous()
-        return weights, flat.numpy().data.cast("B").toreadonly()
-    payload = codec.encode(weights)
-    return codec.decode(payload, weights.numel()), payload
+
+@dataclass(frozen=True)
+class Publication:
+    """What goes out for a version: its payload under ``codec``, and whether
+    that is the change from the version before (else the weights themselves)."""
+
+    payload: Payload
+    codec: Codec
+    is_change: bool
+
+
+def _fp32_bytes(weights: torch.Tensor) -> Payload:
+    """A read-only view of fp32 weights' own bytes, no copy (versions are replaced,
+    never modified in place, so the view stays valid as long as it is held)."""
+    flat = weights.detach().reshape(-1).to("cpu", torch.float32).contiguous()
+    return flat.numpy().data.cast("B").toreadonly()
+
+
+def canonical(
+    codec: Codec, master: torch.Tensor, previous: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Publication]:
+    """The next version to publish for ``master``, exactly as learners will hold
+    it, and what goes out for it.
+
+    ``previous``: the version learners hold now (None for the first one). A lossy
+    codec quantises the change ``master - previous``, and the new version is
+    ``previous`` plus the decoded change (:func:`broker.codecs.apply_change`),
+    not the master: the rounding error stays in ``master - version`` and goes
+    out with the next change (error feedback), so versions follow the master
+    without drift. The first version, and every fp32 one, goes out as the
+    weights; fp32 without a lossless stage as the master's own bytes.
+    """
+    if codec.sends_changes and previous is not None:
+        payload = codec.encode(master - previous)
+        change = codec.decode(payload, master.numel())
+        return apply_change(previous, change), Publication(payload, codec, is_change=True)
+    if codec.quant != "fp32" or codec.lossless == "none":
+        return master, Publication(_fp32_bytes(master), FP32, is_change=False)
+    payload = codec.encode(master)  # fp32 through a lossless stage: decodes to the master
+    return codec.decode(payload, master.numel()), Publication(payload, codec, is_change=False)
 
 
 class FragmentState:
@@ -171,7 +201,7 @@ class FragmentState:
         self.numel = weights.numel()
         self.master = weights.detach().to(torch.float32).clone()
         self.history = VersionHistory(params.staleness)
-        published, self.payload = canonical(self.codec, self.master)
+        published, self.publication = canonical(self.codec, self.master)
         self.history.push(version, published)
         # Wall-clock time each kept version was published (for the step bound).
         self.published_at: dict[int, float] = {version: published_s}
@@ -211,6 +241,17 @@ class FragmentState:
     def weights(self) -> torch.Tensor:
         """The current published global (what learners hold)."""
         return self.history.current
+
+    @property
+    def snapshot(self) -> Publication:
+        """The current version as weights, for learners that join or missed a
+        change: its exact fp32 bytes, so that they hold what the others hold."""
+        if not self.publication.is_change:
+            return self.publication
+        return self._as_weights()
+
+    def _as_weights(self) -> Publication:
+        return Publication(_fp32_bytes(self.weights), FP32, is_change=False)
 
     @property
     def pending_learners(self) -> list[str]:
@@ -349,7 +390,7 @@ class FragmentState:
 
     def close(self, wall_s: float, learners: int = 0) -> RoundResult:
         """Merge the round into a new version. The caller makes it durable, then
-        publishes ``payload`` and acks ``refs``, then calls :meth:`round_done`.
+        publishes :attr:`publication` and acks ``refs``, then calls :meth:`round_done`.
 
         ``learners``: the deltas of a full round (M, or the live learners when
         fewer). A round of n fewer takes n/M of an outer step, so that every
@@ -372,9 +413,7 @@ class FragmentState:
         self._held = {}
         if not kept:
             self._release_all(contributions)
-            return RoundResult(
-                self.version, self.payload, 0, 0, refs, refused=[self._key(c) for c in refused]
-            )
+            return RoundResult(self.version, 0, 0, refs, refused=[self._key(c) for c in refused])
         weights = clip_weights([c.weight for c in kept], self.params.weight_clip)
         share = len(kept) / learners if len(kept) < learners else None  # kept is not empty
         try:
@@ -387,14 +426,13 @@ class FragmentState:
         self._spare_momentum = self.momentum
         self.master, self.momentum = master, momentum
         self._shifts = {}
-        published, self.payload = canonical(self.codec, self.master)
+        published, self.publication = canonical(self.codec, self.master, self.weights)
         self._push(published, wall_s)
         for c in kept:
             self.applied[c.learner] = max(c.key, self.applied.get(c.learner, c.key))
             self.recent_norms.append(c.norm_per_step)
         return RoundResult(
             self.version,
-            self.payload,
             len(kept),
             self._new_tokens(kept),
             refs,
@@ -539,8 +577,6 @@ class FragmentState:
         tensors = {f"version.{v}": w for v, w in self.history.items()}
         if self.master is not self.weights:  # fp32 globals are the master itself
             tensors["master"] = self.master
-        # The exact bytes learners decode, so a restart republishes them bit for bit.
-        tensors["payload"] = torch.frombuffer(bytearray(self.payload), dtype=torch.uint8)
         if self.momentum is not None:
             tensors["momentum"] = self.momentum
         meta = {
@@ -555,9 +591,10 @@ class FragmentState:
         }
         return tensors, meta
 
-    def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], wall_s: float) -> None:
-        """Restore :meth:`state`; ``wall_s`` dates a version published afresh
-        because the downlink codec changed."""
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Restore :meth:`state`. The current version then goes out as weights
+        (:attr:`snapshot`), whatever the codec was: learners that hold it ignore
+        it, the others take it whole."""
         versions = sorted(int(k.split(".", 1)[1]) for k in tensors if k.startswith("version."))
         if not versions or versions[-1] != meta["version"]:
             raise ValueError(
@@ -593,19 +630,4 @@ class FragmentState:
         self.published_at = {v: published_at.get(v, 0.0) for v in versions}
         self.recent_norms.clear()
         self.recent_norms.extend(float(x) for x in meta.get("recent_norms", []))
-        payload = tensors["payload"].numpy().tobytes()
-        if meta.get("codec") == self.codec.name and self._decodes_to_current(payload):
-            self.payload = payload
-        else:
-            # The downlink codec changed across the restart (or the bytes are
-            # unusable): publish the master under the current codec as a new
-            # version, so learners rebase on exactly what they decode while
-            # deltas on older versions stay exact too.
-            published, self.payload = canonical(self.codec, self.master)
-            self._push(published, wall_s)
-
-    def _decodes_to_current(self, payload: Payload) -> bool:
-        try:
-            return torch.equal(self.codec.decode(payload, self.numel), self.weights)
-        except ValueError:
-            return False
+        self.publication = self._as_weights()

@@ -49,6 +49,7 @@ from syncer.fragment_state import (
     QUARANTINED,
     AggregationParams,
     FragmentState,
+    Publication,
     RoundOverflow,
 )
 from syncer.quorum import Roster
@@ -174,7 +175,7 @@ class Syncer:
             )
             saved = load_fragment(self.checkpoint_dir, p)
             if saved is not None:
-                state.load(*saved, wall_s=started_s)
+                state.load(*saved)
                 resumed.append(f"{p}@v{state.version}")
             else:
                 fresh.append(p)
@@ -521,18 +522,25 @@ class Syncer:
     def _publish(self, p: int) -> None:
         self._published_at[p] = self.clock()
         state = self.states[p]
-        self.transport.publish(
-            GlobalFragment(
+
+        def message(publication: Publication) -> GlobalFragment:
+            return GlobalFragment(
                 run_id=self.cfg.run.run_id,
                 fragment=p,
                 plan_hash=self.plan.plan_hash,
                 epoch=state.epoch,
                 version=state.version,
-                codec=state.codec,
+                change_from=state.version - 1 if publication.is_change else -1,
+                codec=publication.codec,
                 numel=state.numel,
-                payload=state.payload,
+                payload=publication.payload,
                 sent_at=time.time(),
             )
+
+        snapshot = state.snapshot
+        published = state.publication
+        self.transport.publish(
+            message(published), snapshot=None if snapshot is published else message(snapshot)
         )
 
     # -- draining and shutdown ----------------------------------------------

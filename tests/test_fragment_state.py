@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from broker.codecs import Codec
+from broker.codecs import Codec, apply_change
 from broker.wire import Delta
 from syncer.aggregation import rebased_weighted_mean
 from syncer.checkpoint import load_fragment, save_fragment
@@ -187,29 +187,55 @@ def test_round_of_three_matches_numpy_fp32() -> None:
     assert state.applied == {"a": (0, 1), "b": (0, 1), "c": (0, 1)}
     assert state.pending_learners == []
     # fp32 is lossless: the payload is exactly the stored weights' bytes.
-    assert result.payload == state.payload
-    assert result.payload == state.weights.numpy().tobytes()
-    assert torch.equal(Codec.parse("fp32").decode(result.payload, N), state.weights)
+    published = state.publication
+    assert not published.is_change and published.codec == Codec("fp32")
+    assert published.payload == state.weights.numpy().tobytes()
+    assert state.snapshot is published
 
 
-def test_round_of_three_int8_publishes_the_decoded_fp32_result() -> None:
+def test_round_of_three_int8_publishes_the_quantised_change() -> None:
     codec = Codec.parse("int8")
     state = FragmentState(0, f32(W0), params(codec="int8"), published_s=T0)
-    # The initial global is already what learners decode.
-    v0 = codec.decode(codec.encode(f32(W0)), N)
-    assert torch.equal(state.weights, v0)
-    assert state.payload == codec.encode(f32(W0))
+    # The first version goes out as its fp32 weights: nothing to take a change from.
+    assert torch.equal(state.weights, f32(W0))
+    assert not state.publication.is_change
+    assert state.publication.payload == f32(W0).numpy().tobytes()
 
     offer_round1(state)
-    result = state.close(T1)
-    new, _ = expected_round1(np64(v0))
-    expected = codec.decode(codec.encode(f32(new)), N)
-    assert torch.equal(state.weights, expected)
-    assert torch.equal(codec.decode(result.payload, N), state.weights)
-    assert len(result.payload) == codec.quantised_size(N)
-    # Lossy, but within one quantisation step of the fp32 result.
-    step = np.abs(new).max() / 127
+    state.close(T1)
+    new, _ = expected_round1(np64(f32(W0)))
+    published = state.publication
+    assert published.is_change and published.codec == codec
+    assert published.payload == codec.encode(state.master - f32(W0))
+    # What a learner holding v0 builds is the syncer's version, bit for bit.
+    rebuilt = apply_change(f32(W0), codec.decode(published.payload, N))
+    assert torch.equal(rebuilt, state.weights)
+    assert len(published.payload) == codec.quantised_size(N)
+    # The snapshot is that version's exact fp32 bytes.
+    assert not state.snapshot.is_change
+    assert state.snapshot.payload == state.weights.numpy().tobytes()
+    # Lossy, but within one quantisation step of the change from the fp32 result.
+    step = np.abs(new - np64(f32(W0))).max() / 127
     np.testing.assert_allclose(np64(state.weights), new, rtol=0, atol=step)
+
+
+def test_quantised_changes_follow_the_master_without_drift() -> None:
+    """Error feedback: each change carries the rounding error of the ones before
+    (master - version), so after many rounds the published version is within one
+    step of the last change's quantisation of the master, not a sum of errors."""
+    codec = Codec.parse("int4")
+    state = FragmentState(0, f32(W0), params(codec="int4", quorum=1), published_s=T0)
+    gen = np.random.default_rng(0)
+    held = f32(W0)  # what a learner that took every change holds
+    for k in range(1, 41):
+        d = gen.normal(0, 0.01, N)
+        assert offer(state, delta("a", k, state.version), d) == ACCEPTED
+        state.close(T1)
+        held = apply_change(held, codec.decode(state.publication.payload, N))
+        assert torch.equal(held, state.weights)
+    error = (state.master - state.weights).abs().max().item()
+    last_change = codec.decode(state.publication.payload, N).abs().max().item()
+    assert error <= last_change / 7 + 1e-7  # one int4 step of the last change
 
 
 def test_a_fragment_past_a_chunk_merges_and_steps_as_whole_tensors_would() -> None:
@@ -276,10 +302,14 @@ def test_decoded_deltas_reuse_the_fragments_buffers() -> None:
 def test_canonical_returns_what_the_codec_decodes() -> None:
     codec = Codec.parse("int4")
     x = f32(np.linspace(-1.0, 1.0, 100))
-    weights, payload = canonical(codec, x)
-    assert payload == codec.encode(x)
+    previous = torch.zeros(100)
+    weights, published = canonical(codec, x, previous)
+    assert published.payload == codec.encode(x - previous)
     assert torch.equal(weights, codec.decode(codec.encode(x), 100))
     assert not torch.equal(weights, x)  # int4 is lossy, so the copy matters
+    lossless = Codec.parse("fp32+zstd")
+    weights, published = canonical(lossless, x, previous)
+    assert torch.equal(weights, x) and not published.is_change
 
 
 # -- a stale learner is rebased ------------------------------------------------
@@ -661,7 +691,7 @@ def assert_same_state(a: FragmentState, b: FragmentState) -> None:
         assert torch.equal(wa, wb)
     assert a.momentum is not None and b.momentum is not None
     assert torch.equal(a.momentum, b.momentum)
-    assert a.payload == b.payload
+    assert a.snapshot.payload == b.snapshot.payload
     assert a.applied == b.applied
     assert a.published_at == b.published_at
     assert list(a.recent_norms) == list(b.recent_norms)
@@ -673,7 +703,7 @@ def test_state_load_round_trip(codec: str) -> None:
     tensors, meta = state.state()
     assert meta["version"] == 2
     fresh = FragmentState(0, torch.zeros(N), params(codec=codec), published_s=T0)
-    fresh.load(tensors, meta, wall_s=T1)
+    fresh.load(tensors, meta)
     assert_same_state(state, fresh)
     assert fresh.applied == {"a": (1, 2), "b": (0, 2), "c": (0, 1)}
     # Both continue identically, and the restored one still refuses replays.
@@ -690,14 +720,14 @@ def test_state_survives_the_checkpoint_files(tmp_path: Path) -> None:
     loaded = load_fragment(tmp_path, 0)
     assert loaded is not None
     fresh = FragmentState(0, torch.zeros(N), params(codec="int8"), published_s=T0)
-    fresh.load(*loaded, wall_s=T1)
+    fresh.load(*loaded)
     assert_same_state(state, fresh)
 
 
 def test_load_without_momentum() -> None:
     state = FragmentState(0, f32(W0), params(), version=3, published_s=T0)
     fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
-    fresh.load(*state.state(), wall_s=T1)
+    fresh.load(*state.state())
     assert fresh.version == 3 and fresh.momentum is None
     assert torch.equal(fresh.weights, f32(W0))
 
@@ -706,7 +736,7 @@ def test_load_refuses_tensors_of_another_size() -> None:
     other = FragmentState(0, torch.zeros(N - 2), params(), published_s=T0)
     fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
     with pytest.raises(ValueError, match="plan needs"):
-        fresh.load(*other.state(), wall_s=T1)
+        fresh.load(*other.state())
     assert fresh.version == 0 and torch.equal(fresh.weights, torch.zeros(N))
 
 
@@ -714,9 +744,9 @@ def test_load_refuses_versions_that_do_not_end_at_the_recorded_one() -> None:
     tensors, meta = two_rounds("fp32").state()
     fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
     with pytest.raises(ValueError, match="do not end at"):
-        fresh.load(tensors, {**meta, "version": 5}, wall_s=T1)
+        fresh.load(tensors, {**meta, "version": 5})
     with pytest.raises(ValueError, match="do not end at"):
-        fresh.load({"payload": tensors["payload"]}, meta, wall_s=T1)
+        fresh.load({}, meta)
 
 
 def test_load_refuses_momentum_of_another_size() -> None:
@@ -724,17 +754,23 @@ def test_load_refuses_momentum_of_another_size() -> None:
     tensors["momentum"] = torch.zeros(N + 3)
     fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
     with pytest.raises(ValueError):
-        fresh.load(tensors, meta, wall_s=T1)
+        fresh.load(tensors, meta)
 
 
-def test_load_under_another_codec_refuses_or_recanonicalises() -> None:
-    tensors, meta = two_rounds("fp32").state()
+def test_a_restart_under_another_codec_publishes_the_version_it_had_as_weights() -> None:
+    state = two_rounds("fp32")
     fresh = FragmentState(0, torch.zeros(N), params(codec="int8"), published_s=T0)
-    try:
-        fresh.load(tensors, meta, wall_s=T1)
-    except ValueError:
-        return  # refusing the mismatch is fine
-    assert torch.equal(fresh.codec.decode(fresh.payload, N), fresh.weights)
+    fresh.load(*state.state())
+    assert fresh.version == state.version and torch.equal(fresh.weights, state.weights)
+    assert not fresh.publication.is_change
+    assert fresh.publication.payload == state.weights.numpy().tobytes()
+    # The next version is a change from it under the new codec.
+    assert offer(fresh, delta("c", 2, 1), np.linspace(-1, 1, N)) == ACCEPTED
+    previous = fresh.weights
+    fresh.close(T1)
+    assert fresh.publication.is_change
+    change = Codec.parse("int8").decode(fresh.publication.payload, N)
+    assert torch.equal(apply_change(previous, change), fresh.weights)
 
 
 def test_tokens_already_merged_are_not_counted_again() -> None:
@@ -768,7 +804,7 @@ def test_deltas_on_different_bases_are_both_merged() -> None:
 def test_lossy_downlink_keeps_the_outer_optimizer_in_fp32() -> None:
     """With int8 globals, the master follows the fp32 Nesterov trajectory on the
     learners' exact weights (base as decoded, minus the delta), and what is
-    published is the int8 image of that master."""
+    published is the previous version plus the int8 image of the change."""
     rng = np.random.default_rng(1)
     w0 = rng.normal(0, 0.02, N)
     lr, mu = 0.7, 0.9
@@ -777,8 +813,10 @@ def test_lossy_downlink_keeps_the_outer_optimizer_in_fp32() -> None:
     )
     master = np64(f32(w0))
     buf = None
+    codec = state.codec
     for k in range(1, 6):
-        base = np64(state.weights)  # the int8-decoded global the learner holds
+        previous = state.weights  # the global the learner holds, as decoded
+        base = np64(previous)
         d = rng.normal(0, 1e-3, N)
         assert offer(state, delta("a", k, state.version, step=k, c_steps=1), d) == ACCEPTED
         state.close(T1)
@@ -786,5 +824,5 @@ def test_lossy_downlink_keeps_the_outer_optimizer_in_fp32() -> None:
         buf = g if buf is None else mu * buf + g
         master = master - lr * (g + mu * buf)
         np.testing.assert_allclose(np64(state.master), master, atol=1e-6)
-    codec = state.codec
-    assert torch.equal(state.weights, codec.decode(codec.encode(state.master), N))
+        change = codec.decode(codec.encode(state.master - previous), N)
+        assert torch.equal(state.weights, apply_change(previous, change))

@@ -13,7 +13,7 @@ from torch import nn
 from broker.connect import connect_learner, connect_syncer
 from broker.fragments import FragmentPlan
 from broker.wire import GlobalFragment
-from learner.join import join_snapshot
+from learner.join import GlobalDecoder, join_snapshot
 from tests.servers import RedisServer, free_port
 
 pytestmark = pytest.mark.integration
@@ -43,7 +43,7 @@ def test_join_waits_for_a_redis_that_starts_late(tmp_path: Path) -> None:
     late = threading.Timer(2.0, start_and_publish)
     late.start()
     try:
-        [(fragment, stamp, flat)] = join_snapshot(learner, plan, timeout_s=30)
+        [(fragment, stamp, flat)] = join_snapshot(learner, GlobalDecoder(plan), timeout_s=30)
         assert fragment == 0 and stamp[1] == 3 and torch.equal(flat, torch.ones(numel))
     finally:
         late.join()

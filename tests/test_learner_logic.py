@@ -9,18 +9,19 @@ own tests against real sockets and a real Redis).
 from __future__ import annotations
 
 import queue
+from dataclasses import replace
 
 import pytest
 import torch
 
-from broker.codecs import Codec
+from broker.codecs import Codec, apply_change
 from broker.fragments import FragmentPlan, ParamSpec
 from broker.transport import LearnerTransport, TransportStats
 from broker.wire import Delta, GlobalFragment, Heartbeat
 from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
 from learner.config import WorkloadConfig
 from learner.fragment_sync import FragmentSync
-from learner.join import decode_global
+from learner.join import NO_BASE, GlobalDecoder
 from learner.library import DecoupledDiLoCo
 from learner.model import ModelConfig
 from learner.worker import SlowHardware
@@ -156,6 +157,7 @@ class InMemoryTransport(LearnerTransport):
         self.deltas: list[Delta] = []
         self.polled: list[GlobalFragment] = []  # what the next poll() returns
         self.accepted_versions: list[int] = []
+        self.resynced: list[int] = []
 
     def send_delta(self, delta: Delta) -> None:
         self.deltas.append(delta)
@@ -172,6 +174,9 @@ class InMemoryTransport(LearnerTransport):
 
     def refused_fragments(self) -> set[int]:
         return set()
+
+    def resync(self, fragment: int) -> None:
+        self.resynced.append(fragment)
 
     def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
         return {p: self.latest[p] for p in fragments if p in self.latest}
@@ -206,13 +211,13 @@ def unstarted_comm(learner: DecoupledDiLoCo, transport: InMemoryTransport) -> Co
     return CommThread(
         transport,
         DeltaEncoder(Codec(), error_feedback=False),
-        check=lambda g: decode_global(g, learner.plan),
+        check=GlobalDecoder(learner.plan).decode,
         max_queued_bytes=2**30,
     )
 
 
 def decoded(learner: DecoupledDiLoCo, g: GlobalFragment) -> Decoded:
-    result = decode_global(g, learner.plan)
+    result = GlobalDecoder(learner.plan).decode(g)
     assert not isinstance(result, str)
     return result
 
@@ -322,3 +327,28 @@ def test_slow_hardware_paces_by_the_fastest_compute_so_a_freeze_is_not_multiplie
     assert pace.rest_s(0.050) == pytest.approx(0.150)
     assert pace.rest_s(0.005) == pytest.approx(0.095)  # a faster machine state sets the pace
     assert SlowHardware(factor=1).rest_s(0.010) == 0.0
+
+
+def test_a_change_applies_only_to_the_version_it_is_from() -> None:
+    learner, transport = make_learner()
+    decoder = GlobalDecoder(learner.plan, transport)
+    base = learner.plan.flatten(learner.params, 0)
+    step = torch.linspace(-1e-3, 1e-3, base.numel())
+    codec = Codec("int8")
+
+    def change(version: int) -> GlobalFragment:
+        g = global_of(learner, 0, version, base)
+        return replace(g, codec=codec, payload=codec.encode(step), change_from=version - 1)
+
+    # No base yet, then a base of another version: refused, and the snapshot asked for.
+    assert decoder.decode(change(1)) == NO_BASE
+    assert not isinstance(decoder.decode(global_of(learner, 0, 1, base)), str)
+    assert decoder.decode(change(3)) == NO_BASE
+    assert transport.resynced == [0, 0]
+    result = decoder.decode(change(2))
+    assert not isinstance(result, str)
+    assert result[1] == (0, 2)
+    sent = codec.decode(codec.encode(step), base.numel())
+    assert torch.equal(result[2], apply_change(base, sent))
+    # Another epoch's change is not from this version either.
+    assert decoder.decode(replace(change(3), epoch=1)) == NO_BASE

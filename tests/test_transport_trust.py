@@ -31,7 +31,8 @@ from broker.redis_common import FIELD, globals_stream_key, model_key
 from broker.transport import Inbound, LearnerTransport, SyncerTransport
 from broker.wire import Delta, GlobalFragment, encode
 from learner.comm import CommThread, DeltaEncoder
-from learner.join import decode_global
+from learner.join import GlobalDecoder
+from syncer.fragment_state import canonical
 from tests.servers import RedisServer, free_port, take_globals, wait_until
 
 RUN = "trust"
@@ -107,7 +108,7 @@ def test_a_malformed_global_with_a_huge_version_locks_no_learner_out(backend: Ba
     comm = CommThread(
         learner,
         DeltaEncoder(Codec(), error_feedback=False),
-        check=lambda g: decode_global(g, PLAN),
+        check=GlobalDecoder(PLAN, learner).decode,
         max_queued_bytes=2**20,
     )
     comm.start()
@@ -135,6 +136,68 @@ def test_a_malformed_global_with_a_huge_version_locks_no_learner_out(backend: Ba
         backend.syncer.publish(good_global(3))
         wait_until(reached(3), 15, what="the real versions after the bad one")
         assert 2**62 not in newest
+    finally:
+        comm.stop(flush_timeout_s=0.0)
+        learner.close()
+
+
+def test_changes_rebuild_the_syncers_versions_bit_for_bit_and_a_gap_takes_the_snapshot(
+    backend: Backend,
+) -> None:
+    """Globals go out as int8 changes; a learner holds exactly the syncer's
+    versions, and one that missed a change (or has no base) takes the snapshot."""
+    codec = Codec("int8")
+    gen = torch.Generator().manual_seed(0)
+    versions = {0: torch.randn(4, generator=gen)}
+
+    def publish(version: int, *, lost: bool = False) -> None:
+        previous = versions[version - 1] if version else None
+        master = versions.get(version - 1, torch.zeros(4)) + torch.randn(4, generator=gen) / 10
+        held, publication = canonical(codec, master if version else versions[0], previous)
+        versions[version] = held
+
+        def message(payload: object, codec: Codec, change: bool) -> GlobalFragment:
+            return replace(
+                good_global(version), codec=codec, payload=payload,
+                change_from=version - 1 if change else -1,
+            )  # fmt: skip
+
+        snapshot = message(held.numpy().tobytes(), Codec(), change=False)
+        sent = message(publication.payload, publication.codec, publication.is_change)
+        if not lost:
+            backend.syncer.publish(sent, snapshot=snapshot)
+
+    learner = backend.learner()
+    decoder = GlobalDecoder(PLAN, learner)
+    comm = CommThread(
+        learner, DeltaEncoder(Codec(), error_feedback=False), decoder.decode, 2**20
+    )
+    comm.start()
+    newest: dict[int, torch.Tensor] = {}
+
+    def holds(version: int) -> Callable[[], bool]:
+        def check() -> bool:
+            backend.syncer.receive(0.0)  # answers snapshot requests (ZeroMQ)
+            newest.update({stamp[1]: flat for _, stamp, flat in comm.take_globals()[0]})
+            return version in newest
+
+        return check
+
+    try:
+
+        def published_v0() -> bool:
+            publish(0)
+            return holds(0)()
+
+        wait_until(published_v0, 15, interval_s=0.2, what="the learner to take version 0")
+        for version in (1, 2):
+            publish(version)
+            wait_until(holds(version), 15, what=f"version {version}")
+            assert torch.equal(newest[version], versions[version])  # bit for bit
+        publish(3, lost=True)  # a change this learner never sees
+        publish(4)  # a change from 3: the learner holds 2
+        wait_until(holds(4), 15, what="version 4 through the snapshot")
+        assert torch.equal(newest[4], versions[4])
     finally:
         comm.stop(flush_timeout_s=0.0)
         learner.close()

@@ -92,6 +92,8 @@ def messages() -> list[Message]:
         SnapshotRequest(run_id="r", learner_id="l", fragments=[0, 2]),
         SnapshotRequest(run_id="r", learner_id="l", fragments=[]),
         Refusal(run_id="r", learner_id="l", incarnation=1, seq=4, fragment=1, reason="stale"),
+        GlobalFragment(codec="int8", numel=VALUES.numel(), payload=Codec("int8").encode(VALUES),
+                       run_id="r", fragment=1, plan_hash=HASH, version=7, change_from=6),
     ]
 
 
@@ -218,10 +220,22 @@ def test_numel_that_decodes_past_the_limit() -> None:
     assert reason(frame(h, p)) == "too_large"
 
 
+def test_a_global_is_a_change_only_from_the_version_before_it() -> None:
+    good = GlobalFragment(
+        codec="int8", numel=4, payload=Codec("int8").encode(torch.ones(4)), run_id="r",
+        fragment=0, plan_hash=HASH, version=5, change_from=4,
+    )  # fmt: skip
+    assert good.is_change and wire.decode(wire.encode(good)) == good
+    h, p = header_of(good)
+    for change_from in (3, 5, -2, 2**63, "4", 4.0, None):
+        assert reason(frame({**h, "change_from": change_from}, p)) == "bad_field", change_from
+    assert not dataclasses.replace(good, change_from=-1).is_change
+
+
 # -- header errors -------------------------------------------------------------
 def test_schema_and_kind_errors() -> None:
     h, p = header_of(delta())
-    for v in (0, 1, 3, -1, "2", None, True, 2.0, [2]):  # 1: before epochs
+    for v in (0, 1, 2, 4, -1, "3", None, True, 3.0, [3]):  # 2: before changes
         assert reason(frame({**h, "v": v}, p)) == "bad_schema_version", v
     no_v = {k: x for k, x in h.items() if k != "v"}
     assert reason(frame(no_v, p)) == "bad_schema_version"
