@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from broker.codecs import Codec
+from broker.settings import RunSettings
 from broker.wire import Delta
 from syncer.fragment_state import AggregationParams, FragmentState
 from syncer.trust import ReportLimits
@@ -146,7 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--smoke", action="store_true", help="CI: 4 MB fragments")
     which.add_argument("--quick", action="store_true", help="64 MB fragments, 3 rounds each")
-    ap.add_argument("--global-codec", default="fp32", help="the codec of published globals")
+    ap.add_argument(
+        "--global-codec",
+        default=RunSettings().global_codec.name,
+        help="the codec of published globals (default: the run's)",
+    )
     args = ap.parse_args(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     sizes, repeats = MODES[mode]

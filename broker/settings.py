@@ -45,7 +45,9 @@ class RunSettings:
     steps: int = 300  # inner steps per learner
     heartbeat_timeout_s: float = 5.0  # a learner is live while heard from within this
     delta_codec: Codec = Codec("int8")  # learner -> syncer: fp32, bf16, int8, int4 [+zstd|+lz4]
-    global_codec: Codec = Codec("fp32")  # syncer -> learners, the same choices
+    # syncer -> learners, the same choices; lossy ones send each version as the
+    # change from the one before (README: compressed downlink)
+    global_codec: Codec = Codec("int8")
     initial_model: str = "initial-model.safetensors"  # written by `ddiloco init`
 
     def __post_init__(self) -> None:

@@ -14,9 +14,12 @@ import statistics
 from collections import deque
 from collections.abc import Collection
 
-# Pace samples a member's fastest pace is taken over (heartbeats are sent every
-# step, so this is a few seconds at most of a real run).
-PACE_WINDOW = 16
+# Pace samples a member's fastest pace is taken over (about one per step or per
+# read of the heartbeats). Long enough to span a busy spell of a shared
+# machine: a learner that sped up again (a neighbour's job ended) by more than
+# STEP_MARGIN over every sample of a short window had its honest step counts
+# refused as impossible (16 samples did, in a run on a loaded machine).
+PACE_WINDOW = 256
 
 
 class Ema:

@@ -305,3 +305,15 @@ def test_a_first_step_that_waited_to_join_does_not_slow_the_pace() -> None:
     for i in range(6, 6 + PACE_WINDOW):
         roster.heard("a", now=float(i), step_time_s=0.5, step=i)
     assert roster.pace_times()["a"] == pytest.approx(0.5)
+
+
+def test_a_busy_spell_does_not_make_a_learner_look_slow() -> None:
+    """A shared machine slows a learner for a hundred steps, then it runs at its
+    old pace again: its step counts are bounded by that pace, not by the spell's
+    (with a 16-sample window its honest deltas were refused as too_many_steps)."""
+    roster = Roster(4, TIMEOUT, 0.0, members={"a"})
+    for i in range(1, 11):
+        roster.heard("a", now=0.01 * i, step_time_s=0.01, step=i)
+    for i in range(11, 111):
+        roster.heard("a", now=0.1 + 0.05 * (i - 10), step_time_s=0.05, step=i)
+    assert roster.pace_times()["a"] == pytest.approx(0.01)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from broker.codecs import Codec
+from broker.codecs import Codec, apply_change
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import Inbound
 from broker.wire import Delta, GlobalFragment, Heartbeat
@@ -132,8 +132,10 @@ def test_round_checkpoint_publish_ack_and_exactly_once_across_restart(tmp_path: 
 
         wait_until(published, 20, what="round 1 published and acked")
         g1 = next(g for g in new if g.version == 1 and g.fragment == 0)
+        assert g1.is_change  # the default global codec sends changes
+        v1 = apply_change(w0, g1.tensor())
         # lr 1, momentum 0: the new global is the mean of the learners' weights.
-        assert torch.allclose(g1.tensor(), w0 - 0.2, atol=1e-6)
+        assert torch.allclose(v1, w0 - 0.2, atol=1e-6)
         assert fragment_path(tmp_path / "ck", 0).exists()
         assert syncer.rejected["wrong_plan"] == 1
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
@@ -146,7 +148,7 @@ def test_round_checkpoint_publish_ack_and_exactly_once_across_restart(tmp_path: 
         # delta (a learner that never saw the ack would resend it) is refused.
         restarted = make_syncer(tmp_path, port)
         assert restarted.states[0].version == 1
-        assert torch.equal(restarted.states[0].weights, g1.tensor())
+        assert torch.equal(restarted.states[0].weights, v1)
         a.send_delta(delta_for(start, "a", 1, 0.1))
 
         def replay_acked() -> bool:
