@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
+import torch
 
 from broker.codecs import Buffer, Codec, CodecError
 
@@ -31,7 +32,8 @@ try:
 except ImportError:  # a platform without isal's wheel
     from zlib import crc32
 
-# 2: globals carry their syncer epoch, deltas their base's; 3: a global may be a change
+# 2: globals carry their syncer epoch, deltas their base's; 3: a global may be a
+# change, and names the checksum of the weights it makes
 SCHEMA_VERSION = 3
 MAGIC = b"DDL1"
 _PREFIX = struct.Struct("<4sII")
@@ -115,6 +117,7 @@ _CHECKS = {
     "epoch": _check_uint,
     "version": _check_uint,
     "change_from": _check_version_or_none,
+    "weights_crc": _check_uint,
     "step": _check_uint,
     "c_steps": _check_uint,
     "c_tokens": _check_uint,
@@ -131,6 +134,14 @@ _CHECKS = {
     "slot": _check_uint,
     "ttl_s": _check_time,
 }
+
+
+def weights_checksum(weights: Any) -> int:
+    """CRC-32 of a flat fp32 tensor's bytes (what ``GlobalFragment.weights_crc`` holds)."""
+    flat = weights.detach().reshape(-1).contiguous()
+    if flat.dtype != torch.float32:
+        raise ValueError(f"weights_checksum takes fp32 weights, not {flat.dtype}")
+    return int(crc32(flat.numpy().data.cast("B")))
 
 
 # -- messages ---------------------------------------------------------------
@@ -221,6 +232,9 @@ class GlobalFragment(_TensorMessage):
     # (:func:`broker.codecs.apply_change`), and one that does not hold them
     # fetches a snapshot.
     change_from: int = -1
+    # CRC-32 of the fp32 bytes of this version's weights (weights_checksum): a
+    # receiver whose rebuilt version differs notices, and fetches the snapshot.
+    weights_crc: int = 0
 
     def validate(self) -> None:
         super().validate()

@@ -366,8 +366,15 @@ class ZmqLearnerTransport(LearnerTransport):
             self._drain(min(0.05, deadline - now))
             self._resend_due()
             for p in list(self._ready):
-                if p in wanted:
-                    got[p] = max(self._ready.pop(p), key=candidate_order)
+                # Weights only: a change (broadcast meanwhile) needs a base the
+                # joiner does not have yet. Later changes stay for poll().
+                whole = [g for g in self._ready[p] if not g.is_change]
+                if p in wanted and whole:
+                    got[p] = max(whole, key=candidate_order)
+                    self._ready[p] = [
+                        g for g in self._ready[p]
+                        if g.is_change and candidate_order(g) > candidate_order(got[p])
+                    ]  # fmt: skip
         return got
 
     def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:

@@ -11,10 +11,11 @@ import torch
 from broker.codecs import apply_change
 from broker.fragments import FragmentPlan
 from broker.transport import LearnerTransport, TransportError
-from broker.wire import GlobalFragment, WireError
+from broker.wire import GlobalFragment, WireError, weights_checksum
 from learner.fragment_sync import Stamp
 
 NO_BASE = "no_base"  # a change from a version this learner does not hold
+DIVERGED = "diverged"  # what it decodes to is not the version the syncer names
 
 
 class GlobalDecoder:
@@ -24,7 +25,9 @@ class GlobalDecoder:
     that is a change (:attr:`broker.wire.GlobalFragment.is_change`) is added to
     them (:func:`broker.codecs.apply_change`, the syncer's own rule, so the
     result is bit for bit the syncer's version). A change from any other
-    version is refused as ``no_base`` and the fragment's snapshot fetched.
+    version is refused as ``no_base``, and a global whose weights do not match
+    the checksum it names as ``diverged``; either way the fragment's snapshot
+    is fetched.
     Callers hand every global they take to :meth:`decode`, in arrival order, and
     mark it accepted on the transport once decoded.
     """
@@ -54,6 +57,11 @@ class GlobalDecoder:
             flat = apply_change(held[1], flat)
         if not torch.isfinite(flat).all():
             return "non_finite"
+        if weights_checksum(flat) != g.weights_crc:
+            # Not the version the syncer made: never build on it.
+            if self.transport is not None:
+                self.transport.resync(g.fragment)
+            return DIVERGED
         self._held[g.fragment] = ((g.epoch, g.version), flat)
         return g.fragment, (g.epoch, g.version), flat
 

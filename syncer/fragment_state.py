@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 import torch
 
 from broker.codecs import Codec, apply_change
-from broker.wire import Delta
+from broker.wire import Delta, weights_checksum
 from syncer.aggregation import (
     SAFE_MAGNITUDE,
     StaleDelta,
@@ -140,6 +140,7 @@ class Publication:
     payload: Payload
     codec: Codec
     is_change: bool
+    weights_crc: int  # of the version's fp32 bytes (broker.wire.weights_checksum)
 
 
 def _fp32_bytes(weights: torch.Tensor) -> Payload:
@@ -165,12 +166,18 @@ def canonical(
     """
     if codec.sends_changes and previous is not None:
         payload = codec.encode(master - previous)
-        change = codec.decode(payload, master.numel())
-        return apply_change(previous, change), Publication(payload, codec, is_change=True)
+        version = apply_change(previous, codec.decode(payload, master.numel()))
+        return version, Publication(payload, codec, True, weights_checksum(version))
     if codec.quant != "fp32" or codec.lossless == "none":
-        return master, Publication(_fp32_bytes(master), FP32, is_change=False)
+        return master, _as_weights(master)
     payload = codec.encode(master)  # fp32 through a lossless stage: decodes to the master
-    return codec.decode(payload, master.numel()), Publication(payload, codec, is_change=False)
+    version = codec.decode(payload, master.numel())
+    return version, Publication(payload, codec, False, weights_checksum(version))
+
+
+def _as_weights(version: torch.Tensor) -> Publication:
+    """A version as its exact fp32 bytes."""
+    return Publication(_fp32_bytes(version), FP32, False, weights_checksum(version))
 
 
 class FragmentState:
@@ -248,10 +255,7 @@ class FragmentState:
         change: its exact fp32 bytes, so that they hold what the others hold."""
         if not self.publication.is_change:
             return self.publication
-        return self._as_weights()
-
-    def _as_weights(self) -> Publication:
-        return Publication(_fp32_bytes(self.weights), FP32, is_change=False)
+        return _as_weights(self.weights)
 
     @property
     def pending_learners(self) -> list[str]:
@@ -630,4 +634,4 @@ class FragmentState:
         self.published_at = {v: published_at.get(v, 0.0) for v in versions}
         self.recent_norms.clear()
         self.recent_norms.extend(float(x) for x in meta.get("recent_norms", []))
-        self.publication = self._as_weights()
+        self.publication = _as_weights(self.weights)

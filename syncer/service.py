@@ -531,6 +531,7 @@ class Syncer:
                 epoch=state.epoch,
                 version=state.version,
                 change_from=state.version - 1 if publication.is_change else -1,
+                weights_crc=publication.weights_crc,
                 codec=publication.codec,
                 numel=state.numel,
                 payload=publication.payload,

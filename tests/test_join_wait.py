@@ -12,7 +12,7 @@ from torch import nn
 
 from broker.connect import connect_learner, connect_syncer
 from broker.fragments import FragmentPlan
-from broker.wire import GlobalFragment
+from broker.wire import GlobalFragment, weights_checksum
 from learner.join import GlobalDecoder, join_snapshot
 from tests.servers import RedisServer, free_port
 
@@ -32,10 +32,11 @@ def test_join_waits_for_a_redis_that_starts_late(tmp_path: Path) -> None:
     def start_and_publish() -> None:
         server.start()
         syncer = connect_syncer(server.url, run_id="r", syncer_id="s", fragments=[0])
-        weights = torch.ones(numel).numpy().tobytes()
+        weights = torch.ones(numel)
         syncer.publish(
             GlobalFragment(run_id="r", fragment=0, plan_hash=plan.plan_hash, version=3,
-                           codec="fp32", numel=numel, payload=weights)
+                           codec="fp32", numel=numel, payload=weights.numpy().tobytes(),
+                           weights_crc=weights_checksum(weights))
         )  # fmt: skip
         syncer.close()
 

@@ -17,11 +17,11 @@ import torch
 from broker.codecs import Codec, apply_change
 from broker.fragments import FragmentPlan, ParamSpec
 from broker.transport import LearnerTransport, TransportStats
-from broker.wire import Delta, GlobalFragment, Heartbeat
+from broker.wire import Delta, GlobalFragment, Heartbeat, weights_checksum
 from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
 from learner.config import WorkloadConfig
 from learner.fragment_sync import FragmentSync
-from learner.join import NO_BASE, GlobalDecoder
+from learner.join import DIVERGED, NO_BASE, GlobalDecoder
 from learner.library import DecoupledDiLoCo
 from learner.model import ModelConfig
 from learner.worker import SlowHardware
@@ -231,6 +231,7 @@ def global_of(learner: DecoupledDiLoCo, p: int, version: int, flat: torch.Tensor
         codec=Codec(),
         numel=flat.numel(),
         payload=Codec().encode(flat),
+        weights_crc=weights_checksum(flat),
     )
 
 
@@ -336,9 +337,14 @@ def test_a_change_applies_only_to_the_version_it_is_from() -> None:
     step = torch.linspace(-1e-3, 1e-3, base.numel())
     codec = Codec("int8")
 
+    sent = codec.decode(codec.encode(step), base.numel())
+
     def change(version: int) -> GlobalFragment:
         g = global_of(learner, 0, version, base)
-        return replace(g, codec=codec, payload=codec.encode(step), change_from=version - 1)
+        return replace(
+            g, codec=codec, payload=codec.encode(step), change_from=version - 1,
+            weights_crc=weights_checksum(apply_change(base, sent)),
+        )  # fmt: skip
 
     # No base yet, then a base of another version: refused, and the snapshot asked for.
     assert decoder.decode(change(1)) == NO_BASE
@@ -348,7 +354,27 @@ def test_a_change_applies_only_to_the_version_it_is_from() -> None:
     result = decoder.decode(change(2))
     assert not isinstance(result, str)
     assert result[1] == (0, 2)
-    sent = codec.decode(codec.encode(step), base.numel())
     assert torch.equal(result[2], apply_change(base, sent))
     # Another epoch's change is not from this version either.
     assert decoder.decode(replace(change(3), epoch=1)) == NO_BASE
+
+
+def test_a_global_that_does_not_make_the_version_it_names_is_refused() -> None:
+    """A change whose result is not the syncer's version (a learner that took a
+    message it should not have, or any bug that breaks bit-identity) is never
+    built on: refused as diverged, and the snapshot fetched."""
+    learner, transport = make_learner()
+    decoder = GlobalDecoder(learner.plan, transport)
+    base = learner.plan.flatten(learner.params, 0)
+    assert not isinstance(decoder.decode(global_of(learner, 0, 1, base)), str)
+    codec = Codec("int8")
+    step = torch.full_like(base, 1e-3)
+    wrong = replace(
+        global_of(learner, 0, 2, base), codec=codec, payload=codec.encode(step), change_from=1
+    )  # its checksum is the base's, not base + step's
+    assert decoder.decode(wrong) == DIVERGED
+    assert transport.resynced == [0]
+    # The version held is still the last good one: the right change applies to it.
+    right = replace(wrong, weights_crc=weights_checksum(apply_change(base, codec.decode(
+        codec.encode(step), base.numel()))))  # fmt: skip
+    assert not isinstance(decoder.decode(right), str)

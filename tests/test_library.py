@@ -31,7 +31,7 @@ from broker.fragments import FragmentPlan, synced_parameters
 from broker.initial_model import write_initial_model
 from broker.redis_common import FIELD, globals_stream_key, model_key
 from broker.settings import RunSettings
-from broker.wire import GlobalFragment, encode
+from broker.wire import GlobalFragment, encode, weights_checksum
 from compose.processes import free_port_pair
 from learner.library import DecoupledDiLoCo, load_global_model
 from syncer.config import OuterConfig, SyncerConfig
@@ -415,6 +415,7 @@ def test_a_global_forged_into_redis_with_a_huge_version_locks_no_learner_out(
                 run_id="lib", fragment=0, plan_hash=sync.plan.plan_hash,
                 epoch=syncer.states[0].epoch, version=2**62, codec=Codec(),
                 numel=flat.numel(), payload=Codec().encode(flat),
+                weights_crc=weights_checksum(flat),
             )  # fmt: skip
             client = redis.Redis.from_url(url)
             client.set(model_key("lib", 0), encode(forged))

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -29,7 +30,7 @@ from broker.connect import connect_learner, connect_syncer
 from broker.fragments import FragmentPlan, ParamSpec
 from broker.redis_common import FIELD, globals_stream_key, model_key
 from broker.transport import Inbound, LearnerTransport, SyncerTransport
-from broker.wire import Delta, GlobalFragment, encode
+from broker.wire import Delta, GlobalFragment, encode, weights_checksum
 from learner.comm import CommThread, DeltaEncoder
 from learner.join import GlobalDecoder
 from syncer.fragment_state import canonical
@@ -40,10 +41,11 @@ PLAN = FragmentPlan.build([ParamSpec("w", (4,), "float32")], 1, sync_every=4)
 
 
 def good_global(version: int, epoch: int = 7) -> GlobalFragment:
+    weights = torch.full((4,), float(version))
     return GlobalFragment(
         run_id=RUN, fragment=0, plan_hash=PLAN.plan_hash, epoch=epoch, version=version,
-        codec=Codec(), numel=4, payload=Codec().encode(torch.full((4,), float(version))),
-        sent_at=time.time(),
+        codec=Codec(), numel=4, payload=Codec().encode(weights),
+        weights_crc=weights_checksum(weights), sent_at=time.time(),
     )  # fmt: skip
 
 
@@ -159,7 +161,7 @@ def test_changes_rebuild_the_syncers_versions_bit_for_bit_and_a_gap_takes_the_sn
         def message(payload: object, codec: Codec, change: bool) -> GlobalFragment:
             return replace(
                 good_global(version), codec=codec, payload=payload,
-                change_from=version - 1 if change else -1,
+                change_from=version - 1 if change else -1, weights_crc=weights_checksum(held),
             )  # fmt: skip
 
         snapshot = message(held.numpy().tobytes(), Codec(), change=False)
@@ -201,6 +203,32 @@ def test_changes_rebuild_the_syncers_versions_bit_for_bit_and_a_gap_takes_the_sn
     finally:
         comm.stop(flush_timeout_s=0.0)
         learner.close()
+
+    # A learner joining while changes are broadcast takes weights, never a change
+    # (over ZeroMQ its subscription receives the changes while it waits).
+    joiner = connect_learner(
+        backend.url, run_id=RUN, learner_id="learner-1", incarnation=1, num_fragments=1
+    )
+    stop = threading.Event()
+
+    def syncer_at_work() -> None:
+        version = 5
+        while not stop.is_set():
+            publish(version)
+            version += 1
+            backend.syncer.receive(0.02)  # answers the joiner's snapshot requests
+
+    worker = threading.Thread(target=syncer_at_work)
+    worker.start()
+    try:
+        time.sleep(0.3)  # changes are flowing
+        got = joiner.snapshot([0], timeout_s=15)
+    finally:
+        stop.set()
+        worker.join()
+        joiner.close()
+    assert not got[0].is_change
+    assert torch.equal(got[0].tensor(), versions[got[0].version])
 
 
 def test_a_refused_delta_is_answered_refused_and_the_learner_resyncs(backend: Backend) -> None:

@@ -230,6 +230,15 @@ def test_a_global_is_a_change_only_from_the_version_before_it() -> None:
     for change_from in (3, 5, -2, 2**63, "4", 4.0, None):
         assert reason(frame({**h, "change_from": change_from}, p)) == "bad_field", change_from
     assert not dataclasses.replace(good, change_from=-1).is_change
+    for crc in (-1, 2**63, "0", None):
+        assert reason(frame({**h, "weights_crc": crc}, p)) == "bad_field", crc
+
+
+def test_weights_checksum_is_the_crc_of_the_fp32_bytes() -> None:
+    x = torch.linspace(-1, 1, 1000)
+    assert wire.weights_checksum(x) == zlib.crc32(x.numpy().tobytes())
+    with pytest.raises(ValueError, match="fp32"):
+        wire.weights_checksum(x.double())
 
 
 # -- header errors -------------------------------------------------------------
