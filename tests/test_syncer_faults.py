@@ -33,7 +33,7 @@ from broker.codecs import Codec
 from broker.connect import connect_learner
 from broker.settings import RunSettings
 from broker.transport import LearnerTransport
-from broker.wire import Delta, GlobalFragment, Heartbeat
+from broker.wire import Delta, GlobalFragment, Heartbeat, weights_checksum
 from compose.processes import free_port_pair
 from learner.config import WorkloadConfig
 from learner.library import MIN_QUEUED_BYTES
@@ -288,7 +288,9 @@ def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_
         # Each round adds one version: a round merged again would add one more.
         unlogged -= meta["version"] - len(logged)
         assert latest[p].version == meta["version"]
-        assert torch.equal(latest[p].tensor(), tensors[f"version.{meta['version']}"])
+        # The learners' last global makes exactly the checkpoint's version (a
+        # change names the checksum of the weights it makes).
+        assert latest[p].weights_crc == weights_checksum(tensors[f"version.{meta['version']}"])
     assert unlogged == 0
     # The unlogged round's deltas are all of one fragment, applied (checked above).
     assert len({fragment_of[key] for key in missing}) <= 1
