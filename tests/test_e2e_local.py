@@ -176,4 +176,7 @@ def test_syncer_killed_and_restarted_learners_never_stop_nothing_applied_twice(
     assert keys and max(keys.values()) == 1
     rounds_after = [e for e in events if e["event"] == "round" and e["t"] > back["t"]]
     assert rounds_after, "the restarted syncer merged nothing"
-    assert summary["final_eval_loss"] <= baseline["final_eval_loss"] * 1.05
+    # Two decoupled runs of one seed differ by which deltas meet in a round, so
+    # their losses differ without any fault: 1.989 and 2.105 for one command on
+    # this project's 2-core machine (5.8%). A lost or doubled round costs more.
+    assert summary["final_eval_loss"] <= baseline["final_eval_loss"] * 1.10
