@@ -365,11 +365,11 @@ class ZmqLearnerTransport(LearnerTransport):
                 retry_s = min(retry_s * 2, _RESYNC_MAX_RETRY_S)
             self._drain(min(0.05, deadline - now))
             self._resend_due()
-            for p in list(self._ready):
+            for p in wanted & self._ready.keys():
                 # Weights only: a change (broadcast meanwhile) needs a base the
                 # joiner does not have yet. Later changes stay for poll().
                 whole = [g for g in self._ready[p] if not g.is_change]
-                if p in wanted and whole:
+                if whole:
                     got[p] = max(whole, key=candidate_order)
                     self._ready[p] = [
                         g for g in self._ready[p]

@@ -255,7 +255,8 @@ class FragmentState:
         change: its exact fp32 bytes, so that they hold what the others hold."""
         if not self.publication.is_change:
             return self.publication
-        return _as_weights(self.weights)
+        # The same version as the change: its checksum is known already.
+        return Publication(_fp32_bytes(self.weights), FP32, False, self.publication.weights_crc)
 
     @property
     def pending_learners(self) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from broker.codecs import Codec, apply_change
-from broker.wire import Delta
+from broker.wire import Delta, weights_checksum
 from syncer.aggregation import rebased_weighted_mean
 from syncer.checkpoint import load_fragment, save_fragment
 from syncer.fragment_state import (
@@ -214,6 +214,7 @@ def test_round_of_three_int8_publishes_the_quantised_change() -> None:
     # The snapshot is that version's exact fp32 bytes.
     assert not state.snapshot.is_change
     assert state.snapshot.payload == state.weights.numpy().tobytes()
+    assert state.snapshot.weights_crc == weights_checksum(state.weights) == published.weights_crc
     # Lossy, but within one quantisation step of the change from the fp32 result.
     step = np.abs(new - np64(f32(W0))).max() / 127
     np.testing.assert_allclose(np64(state.weights), new, rtol=0, atol=step)
