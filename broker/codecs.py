@@ -9,11 +9,20 @@ optimizer always run in fp32; only the wire is compressed.
 Layout of the quantised payload (before the lossless stage), little endian:
 ``scales (fp32, one per block) | codes`` where codes are int8 (one per value)
 or int4 (two per byte, low nibble first, stored as q + 8).
+
+Sparse (``int4+top0.03``): of each block of ``block_size`` values (4096 by
+default) only the ``ceil(density * block length)`` largest in magnitude go out,
+quantised by the block's largest. Layout: ``scales (fp32, one per block) |
+indices (uint16, within the block, strictly increasing per block) | codes``
+(int8 or int4 as above, over the kept values in order). Everything else decodes
+to zero; with error feedback (the learner's residual, the syncer's
+``master - version``) what a message leaves out goes out later, as in SparseLoCo.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import sys
 import warnings
 from dataclasses import dataclass
@@ -30,6 +39,7 @@ QUANTS: tuple[Quant, ...] = ("fp32", "bf16", "int8", "int4")
 LOSSLESS: tuple[Lossless, ...] = ("none", "zstd", "lz4")
 Buffer: TypeAlias = bytes | bytearray | memoryview  # what decodes: wire payloads are any of them
 DEFAULT_BLOCK_SIZE = 64
+SPARSE_BLOCK_SIZE = 4096  # top-k picks per block: large, so that k is not all ties
 if sys.byteorder != "little":  # decoding views the little-endian wire bytes as they are
     raise ImportError("ddiloco's codecs need a little-endian machine")
 _QMAX = {"int8": 127, "int4": 7}
@@ -57,38 +67,65 @@ class CodecError(ValueError):
 class Codec:
     quant: Quant = "fp32"
     lossless: Lossless = "none"
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int = 0  # 0: the default, 64 values (4096 for a sparse codec)
+    density: float = 1.0  # the share of each block sent (top-k); 1: every value
 
     def __post_init__(self) -> None:
         if self.quant not in QUANTS:
             raise CodecError(f"unknown quantisation {self.quant!r}; choose one of {QUANTS}")
         if self.lossless not in LOSSLESS:
             raise CodecError(f"unknown lossless stage {self.lossless!r}; choose one of {LOSSLESS}")
+        if not isinstance(self.density, float | int) or not 0 < self.density <= 1:
+            raise CodecError(f"density must be in (0, 1], got {self.density!r}")
+        # As its name writes it, so that the name parses back to an equal codec.
+        object.__setattr__(self, "density", float(f"{self.density:g}"))
+        if self.sparse and self.quant not in _QMAX:
+            raise CodecError(f"a sparse codec sends int8 or int4 values, not {self.quant}")
+        if self.block_size == 0:
+            object.__setattr__(self, "block_size", self._default_block)
         if not 8 <= self.block_size <= 4096 or self.block_size % 2:
             raise CodecError(f"block_size must be even and in [8, 4096], got {self.block_size}")
         if self.quant not in _QMAX and self.block_size != DEFAULT_BLOCK_SIZE:
             # fp32 and bf16 have no blocks: one spelling, so equal codecs compare equal.
             object.__setattr__(self, "block_size", DEFAULT_BLOCK_SIZE)
 
+    @property
+    def sparse(self) -> bool:
+        return self.density < 1
+
+    @property
+    def _default_block(self) -> int:
+        return SPARSE_BLOCK_SIZE if self.sparse else DEFAULT_BLOCK_SIZE
+
     @classmethod
     def parse(cls, spec: str) -> Codec:
-        """Parse ``quant[+lossless][@block]``, e.g. ``int4+zstd`` or ``int8@128``."""
+        """Parse ``quant[+topDENSITY][+lossless][@block]``, e.g. ``int4+zstd``,
+        ``int8@128`` or ``int4+top0.03`` (the largest 3% of each block)."""
         if not isinstance(spec, str) or len(spec) > 32:
             raise CodecError(f"bad codec spec {spec!r}")
         body, _, block = spec.partition("@")
-        quant, _, lossless = body.partition("+")
+        quant, *stages = body.split("+")
+        density, lossless = 1.0, "none"
         try:
-            block_size = int(block) if block else DEFAULT_BLOCK_SIZE
+            block_size = int(block) if block else 0
+            if stages and stages[0].startswith("top"):
+                density = float(stages.pop(0)[3:])
         except ValueError:
-            raise CodecError(f"bad block size in codec spec {spec!r}") from None
-        return cls(cast(Quant, quant), cast(Lossless, lossless or "none"), block_size)
+            raise CodecError(f"bad number in codec spec {spec!r}") from None
+        if len(stages) > 1:
+            raise CodecError(f"bad codec spec {spec!r}: quant[+topDENSITY][+lossless][@block]")
+        if stages:
+            lossless = stages[0]
+        return cls(cast(Quant, quant), cast(Lossless, lossless), block_size, density)
 
     @property
     def name(self) -> str:
         s: str = self.quant
+        if self.sparse:
+            s += f"+top{self.density:g}"
         if self.lossless != "none":
             s += "+" + self.lossless
-        if self.quant in _QMAX and self.block_size != DEFAULT_BLOCK_SIZE:
+        if self.quant in _QMAX and self.block_size != self._default_block:
             s += f"@{self.block_size}"
         return s
 
@@ -110,8 +147,21 @@ class Codec:
         if self.quant == "bf16":
             return 2 * numel
         blocks = -(-numel // self.block_size)
-        codes = numel if self.quant == "int8" else -(-numel // 2)
-        return 4 * blocks + codes
+        kept = self.kept(numel)
+        codes = kept if self.quant == "int8" else -(-kept // 2)
+        indices = 2 * kept if self.sparse else 0
+        return 4 * blocks + indices + codes
+
+    def kept_per_block(self, length: int) -> int:
+        """How many of a block of ``length`` values a sparse codec sends."""
+        return max(1, math.ceil(self.density * length)) if self.sparse else length
+
+    def kept(self, numel: int) -> int:
+        """How many of ``numel`` values go out."""
+        full, last = divmod(numel, self.block_size)
+        return full * self.kept_per_block(self.block_size) + (
+            self.kept_per_block(last) if last else 0
+        )
 
     # -- encode / decode -------------------------------------------------
     def encode(self, x: torch.Tensor) -> bytes:
@@ -164,24 +214,58 @@ class Codec:
         if self.quant == "bf16":
             # torch rounds to nearest even; the bits are the top half of fp32.
             return flat.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
-        qmax = _QMAX[self.quant]
+        if self.sparse:
+            return self._quantise_sparse(flat)
         n = flat.numel()
         blocks = -(-n // self.block_size)
         padded = torch.zeros(blocks * self.block_size, dtype=torch.float32)
         padded[:n] = flat
         padded = padded.view(blocks, self.block_size)
-        scales = padded.abs().amax(dim=1) / qmax
+        scales = padded.abs().amax(dim=1) / _QMAX[self.quant]
+        codes = self._codes(padded, scales).reshape(-1)[:n]
+        return scales.numpy().astype("<f4").tobytes() + self._packed(codes)
+
+    def _codes(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """int8 codes of ``values`` (one row per block) under the blocks' scales."""
+        qmax = _QMAX[self.quant]
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.round(padded / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8)
-        codes_np = codes.reshape(-1)[:n].numpy()
-        scales_bytes = scales.numpy().astype("<f4").tobytes()
+        return torch.round(values / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+
+    def _packed(self, codes: torch.Tensor) -> bytes:
+        codes_np = codes.numpy()
         if self.quant == "int8":
-            return scales_bytes + codes_np.tobytes()
+            return codes_np.tobytes()
         nibbles = (codes_np.astype(np.int16) + 8).astype(np.uint8)
-        if n % 2:
+        if nibbles.size % 2:
             nibbles = np.append(nibbles, np.uint8(8))
-        packed = nibbles[0::2] | (nibbles[1::2] << 4)
-        return scales_bytes + packed.astype(np.uint8).tobytes()
+        return (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8).tobytes()
+
+    def _sparse_blocks(self, numel: int) -> list[tuple[int, int, int]]:
+        """(start, blocks, length) of the full blocks and of the last, partial one."""
+        full, last = divmod(numel, self.block_size)
+        parts = [(0, full, self.block_size)] if full else []
+        return parts + ([(full * self.block_size, 1, last)] if last else [])
+
+    def _quantise_sparse(self, flat: torch.Tensor) -> bytes:
+        scales, indices, codes = [], [], []
+        for start, blocks, length in self._sparse_blocks(flat.numel()):
+            rows = flat[start : start + blocks * length].view(blocks, length)
+            # The largest magnitudes, sent in index order (the canonical form the
+            # decoder checks).
+            index = rows.abs().topk(self.kept_per_block(length), dim=1, sorted=False).indices
+            index = index.sort(dim=1).values
+            values = rows.gather(1, index)
+            scale = values.abs().amax(dim=1) / _QMAX[self.quant]
+            scales.append(scale)
+            indices.append(index.reshape(-1))
+            codes.append(self._codes(values, scale).reshape(-1))
+        if not scales:
+            return b""
+        return (
+            torch.cat(scales).numpy().astype("<f4").tobytes()
+            + torch.cat(indices).numpy().astype("<u2").tobytes()
+            + self._packed(torch.cat(codes))
+        )
 
     def _dequantise(self, raw: Buffer, out: torch.Tensor) -> torch.Tensor:
         numel = out.numel()
@@ -191,6 +275,8 @@ class Codec:
             return out.copy_(_wire_view(raw, torch.float32, 0, numel))
         if self.quant == "bf16":
             return out.copy_(_wire_view(raw, torch.int16, 0, numel).view(torch.bfloat16))
+        if self.sparse:
+            return self._dequantise_sparse(raw, out)
         # Codes widened into the output, then scaled per block in place: never a
         # repeated copy of the scales (a mixed int8 x fp32 multiply is 4x slower).
         # Chunk by chunk, so the scaling finds the widened values in the cache.
@@ -224,6 +310,38 @@ class Codec:
             piece[:full].view(-1, block).mul_(scales[first : first + full // block, None])
             if full < n:  # the last, partial block
                 piece[full:].mul_(scales[-1])
+        return out
+
+    def _dequantise_sparse(self, raw: Buffer, out: torch.Tensor) -> torch.Tensor:
+        numel = out.numel()
+        blocks = -(-numel // self.block_size)
+        kept = self.kept(numel)
+        scales = _wire_view(raw, torch.float32, 0, blocks)
+        indices = _wire_view(raw, torch.int16, 4 * blocks, kept).view(torch.uint16)
+        code_bytes = kept if self.quant == "int8" else -(-kept // 2)
+        body = _wire_view(raw, torch.uint8, 4 * blocks + 2 * kept, code_bytes)
+        values = torch.empty(kept, dtype=torch.float32)
+        if self.quant == "int8":
+            values.copy_(body[:kept].view(torch.int8))
+        else:
+            low = torch.bitwise_and(body, 15).to(torch.int8)
+            high = torch.bitwise_right_shift(body, 4).to(torch.int8)
+            values.copy_(torch.stack((low, high), dim=1).reshape(-1)[:kept].sub_(8))
+        out.zero_()
+        block, at = 0, 0
+        for start, count, length in self._sparse_blocks(numel):
+            k = self.kept_per_block(length)
+            index = indices[at : at + count * k].to(torch.int64).view(count, k)
+            # Untrusted: every index inside its block, strictly increasing, so no
+            # value lands outside the block or twice.
+            if int(index[:, -1].max()) >= length or (
+                k > 1 and not bool((index[:, 1:] > index[:, :-1]).all())
+            ):
+                raise CodecError(f"{self.name}: indices out of order or outside their block")
+            row_values = values[at : at + count * k].view(count, k)
+            row_values.mul_(scales[block : block + count, None])
+            out[start : start + count * length].view(count, length).scatter_(1, index, row_values)
+            block, at = block + count, at + count * k
         return out
 
 

@@ -44,7 +44,8 @@ class RunSettings:
     overlap: int = 2  # tau: steps between sending a fragment and expecting its global
     steps: int = 300  # inner steps per learner
     heartbeat_timeout_s: float = 5.0  # a learner is live while heard from within this
-    delta_codec: Codec = Codec("int8")  # learner -> syncer: fp32, bf16, int8, int4 [+zstd|+lz4]
+    # learner -> syncer: fp32, bf16, int8, int4 [+topDENSITY: sparse] [+zstd|+lz4] [@block]
+    delta_codec: Codec = Codec("int8")
     # syncer -> learners, the same choices; lossy ones send each version as the
     # change from the one before (README: compressed downlink)
     global_codec: Codec = Codec("int8")

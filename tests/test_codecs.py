@@ -225,6 +225,10 @@ def test_zstd_compresses_zeros() -> None:
         ("int8@128", Codec("int8", "none", 128), "int8@128"),
         ("int8@64", Codec("int8", "none", 64), "int8"),
         ("int4+lz4@8", Codec("int4", "lz4", 8), "int4+lz4@8"),
+        ("int4+top0.03", Codec("int4", density=0.03), "int4+top0.03"),
+        ("int4+top0.03@4096", Codec("int4", "none", 4096, 0.03), "int4+top0.03"),
+        ("int8+top0.1+zstd@512", Codec("int8", "zstd", 512, 0.1), "int8+top0.1+zstd@512"),
+        ("int8+top1", Codec("int8"), "int8"),
     ],
 )
 def test_parse_and_name(spec: str, codec: Codec, name: str) -> None:
@@ -258,6 +262,16 @@ def test_parse_name_round_trip_for_all() -> None:
         "int8@5000",
         "int8@-64",
         "int8@1e3",
+        "int4+top0",
+        "int4+top1.5",
+        "int4+top-0.1",
+        "int4+topx",
+        "int4+top",
+        "int4+topnan",
+        "fp32+top0.1",
+        "bf16+top0.1",
+        "int4+zstd+top0.1",
+        "int4+top0.1+zstd+lz4",
         "x" * 33,
         None,
         8,
@@ -334,9 +348,12 @@ def test_decompression_bomb_raises_without_allocating(kind: str) -> None:
     assert peak < 4 << 20
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
-    st.sampled_from([f"{q}+{lo}" if lo != "none" else q for q in QUANTS for lo in LOSSLESS]),
+    st.sampled_from(
+        [f"{q}+{lo}" if lo != "none" else q for q in QUANTS for lo in LOSSLESS]
+        + ["int8+top0.25@8", "int4+top0.25@8", "int4+top0.5+zstd@16"]
+    ),
     st.binary(max_size=600),
     st.integers(0, 300),
 )
@@ -347,3 +364,67 @@ def test_random_bytes_decode_or_raise_codec_error(spec: str, data: bytes, numel:
     except CodecError:
         return
     assert y.dtype == torch.float32 and y.shape == (numel,)
+
+
+# -- sparse (top-k) -------------------------------------------------------------
+def numpy_sparse(x: np.ndarray, block: int, density: float, qmax: int) -> np.ndarray:
+    """Independent reference: per block the ceil(density * length) largest
+    magnitudes, quantised by the largest of them; every other value zero."""
+    y = np.zeros_like(x)
+    for start in range(0, x.size, block):
+        piece = x[start : start + block]
+        k = max(1, int(np.ceil(density * piece.size)))
+        keep = np.argsort(-np.abs(piece), kind="stable")[:k]
+        scale = np.float32(np.abs(piece[keep]).max() / np.float32(qmax))
+        safe = scale if scale > 0 else np.float32(1.0)
+        y[start + keep] = np.clip(np.round(piece[keep] / safe), -qmax, qmax) * scale
+    return y
+
+
+@pytest.mark.parametrize("quant,qmax", [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("n", [1, 7, 64, 65, 1001, 4096, 9000])
+@pytest.mark.parametrize("block,density", [(64, 0.25), (4096, 0.03), (8, 0.1)])
+def test_sparse_keeps_the_largest_of_each_block(
+    quant: str, qmax: int, n: int, block: int, density: float
+) -> None:
+    c = Codec(quant, "none", block, density)  # type: ignore[arg-type]
+    x = gaussian(n, seed=n)
+    data = c.encode(x)
+    assert len(data) == c.quantised_size(n)
+    y = c.decode(data, n).numpy()
+    assert np.allclose(y, numpy_sparse(x.numpy(), block, density, qmax), rtol=0, atol=1e-6)
+    assert np.count_nonzero(y) <= c.kept(n)
+
+
+def test_sparse_layout_by_hand() -> None:
+    c = Codec("int8", "none", 8, 0.25)  # two of each block of 8
+    x = torch.tensor([0.0, 4.0, 0, 0, -2.0, 0, 1.0, 0, 0, 0, 3.0])  # a block of 8 and one of 3
+    data = c.encode(x)
+    scales = struct.unpack("<2f", data[:8])
+    indices = struct.unpack("<3H", data[8:14])  # 2 of the first block, 1 of the last
+    codes = struct.unpack("<3b", data[14:])
+    assert scales == pytest.approx((4 / 127, 3 / 127))
+    assert indices == (1, 4, 2)
+    assert codes == (127, -64, 127)
+    y = c.decode(data, 11)
+    assert y.tolist() == pytest.approx([0, 4, 0, 0, -64 * 4 / 127, 0, 0, 0, 0, 0, 3])
+    assert c.quantised_size(11) == len(data) == 8 + 6 + 3
+    assert Codec("int4", "none", 8, 0.25).quantised_size(11) == 8 + 6 + 2
+
+
+def test_sparse_int4_top_3_percent_is_a_tenth_of_dense_int8() -> None:
+    n = 1 << 20
+    assert Codec.parse("int4+top0.03").quantised_size(n) < Codec("int8").quantised_size(n) / 10
+
+
+@pytest.mark.parametrize(
+    "index,why",
+    [((1, 1, 2), "a value twice"), ((4, 1, 2), "out of order"), ((1, 8, 2), "past its block"),
+     ((1, 4, 3), "past the last, partial block"), ((0xFFFF, 1, 2), "far outside")],
+)  # fmt: skip
+def test_sparse_refuses_bad_indices(index: tuple[int, int, int], why: str) -> None:
+    c = Codec("int8", "none", 8, 0.25)
+    data = bytearray(c.encode(torch.arange(11, dtype=torch.float32)))
+    data[8:14] = struct.pack("<3H", *index)
+    with pytest.raises(CodecError, match="indices"):
+        c.decode(bytes(data), 11)

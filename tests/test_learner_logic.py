@@ -135,6 +135,21 @@ def test_error_feedback_delays_quantisation_error_and_never_loses_it() -> None:
     assert (true_sum - sent_sum).norm() < 0.5 * (true_sum - plain_sum).norm()
 
 
+def test_error_feedback_sends_what_a_sparse_codec_left_out_later() -> None:
+    """A sparse codec sends only the largest 25% of each block; what it leaves out
+    stays in the residual and goes out once it has grown: a component too small
+    to be picked in any single round still reaches the syncer."""
+    codec = Codec("int8", "none", 8, 0.25)
+    encoder = DeltaEncoder(codec, error_feedback=True)
+    d = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.1])  # the same delta every round
+    sent_sum = torch.zeros(8)
+    for rounds in range(1, 41):
+        sent_sum += codec.decode(encoder.encode(outgoing(d)).payload, 8)
+        assert torch.allclose(sent_sum + encoder._residual[0], rounds * d, atol=1e-5)
+    assert (sent_sum > 0).all()  # every component went out, the smallest too
+    assert torch.allclose(sent_sum / 40, d, rtol=0.3)
+
+
 def test_error_feedback_is_per_fragment_and_off_for_fp32() -> None:
     codec = Codec.parse("int8")
     encoder = DeltaEncoder(codec, error_feedback=True)
