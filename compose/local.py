@@ -17,7 +17,11 @@ folder (``--out``):
 
 ``--netns`` runs each learner in a network namespace of its own, joined to
 this host by a veth pair (:mod:`compose.netns`), so that ``ddiloco throttle
---local RUN_DIR`` can limit its link as it would a container's.
+--local RUN_DIR`` can limit its link as it would a container's;
+``--link-rate 10mbit`` limits every learner's link from the start (both ways).
+Data parallel's ranks then reach each other through the same links. The
+summary gains ``link_bytes``: what each learner's interface sent and received,
+from its counters (everything on the wire, protocol headers included).
 
 ``--mode diloco`` runs synchronous DiLoCo on the same settings (K = M, no
 grace window, learners wait for each fragment's new global) and ``--mode ddp``
@@ -56,6 +60,7 @@ from compose.live_view import LiveView
 from compose.netns import LocalNetwork
 from compose.processes import JsonlTail, Proc, Supervisor, free_port_pair
 from compose.report import SUMMARY_KEYS, load_events, plot_run, summarise
+from compose.throttle import ThrottleConfig, apply, parse_rate
 from learner.config import (
     EvalConfig,
     EvaluatorConfig,
@@ -94,6 +99,7 @@ class LocalConfig:
     slowdown: tuple[float, ...] = ()  # per-learner step-time factors, e.g. 1,1,1.5,2; empty: 1
     no_progress: bool = False  # plain log lines instead of a live table
     netns: bool = False  # each learner in its own network namespace (root; ddiloco throttle)
+    link_rate: str = ""  # with --netns: every learner's link limited from the start, e.g. 10mbit
 
     def __post_init__(self) -> None:
         m = self.run.learners
@@ -109,8 +115,12 @@ class LocalConfig:
             raise ValueError("mode=diloco is synchronous: its quorum is M; drop --quorum")
         if self.mode == "ddp" and self.kill_syncer_at_s:
             raise ValueError("mode=ddp has no syncer to kill: drop --kill-syncer-at-s")
-        if self.netns and (self.mode == "ddp" or self.run.url != RunSettings.url):
-            raise ValueError("--netns needs the default ZeroMQ url and a syncer: drop --url")
+        if self.netns and self.run.url != RunSettings.url:
+            raise ValueError("--netns needs the default ZeroMQ url: drop --url")
+        if self.link_rate:
+            if not self.netns:
+                raise ValueError("--link-rate limits the learners' own links: add --netns")
+            parse_rate(self.link_rate)
 
 
 class LocalRun:
@@ -230,12 +240,15 @@ class LocalRun:
         env: dict[str, str] = {}
         if self.mode == "ddp":
             env = {
-                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_ADDR": "127.0.0.1",  # rank 0 holds the rendezvous store
                 "MASTER_PORT": str(self.port),
                 "WORLD_SIZE": str(self.m),
                 "RANK": str(i),
                 "LOCAL_RANK": str(i),
             }
+            if self.network is not None:  # ranks meet through their own links
+                env["MASTER_ADDR"] = self.network.address("learner-0")
+                env["GLOO_SOCKET_IFNAME"] = self.network.device(name)
         proc = self._command(name, "learner", cfg, env)
         proc.warm_spare = self.cfg.warm_spares
         return proc
@@ -245,6 +258,8 @@ class LocalRun:
         try:
             if self.network is not None:
                 self.network.write(self.out)
+                if self.cfg.link_rate:
+                    apply("set", ThrottleConfig(rate=self.cfg.link_rate, local=str(self.out)))
             return self._run()
         finally:
             if self.network is not None:
@@ -438,6 +453,8 @@ class LocalRun:
             fragments=self.run_settings.fragments,
             quorum=self.run_settings.effective_quorum,
         )
+        if self.network is not None:
+            summary["link_bytes"] = self.network.counters()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_run(events, self.out / "plots")
         return summary

@@ -96,6 +96,19 @@ class LocalNetwork:
     def device(self, learner: str) -> str:
         return f"ddl{self.tag}n{self.namespaces[learner].rsplit('-', 1)[1]}"
 
+    def address(self, learner: str) -> str:
+        return f"{self.prefix}.{int(self.namespaces[learner].rsplit('-', 1)[1]) + 2}"
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Bytes each learner's interface has sent and received (its counters:
+        everything on the wire, protocol headers included)."""
+        counts = {}
+        for learner, ns in self.namespaces.items():
+            (link,) = json.loads(_ip("-n", ns, "-s", "-j", "link", "show", self.device(learner)))
+            stats = link["stats64"]
+            counts[learner] = {"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"]}
+        return counts
+
     def command(self, learner: str, args: list[str]) -> list[str]:
         """``args`` run inside ``learner``'s namespace."""
         return ["ip", "netns", "exec", self.namespaces[learner], *args]

@@ -204,3 +204,45 @@ def test_local_run_throttled_and_crashed_from_outside(tmp_path: Path) -> None:
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     netns = json.loads((out / "netns.json").read_text())
     assert not any(v["netns"] in names for v in netns.values())
+
+
+@needs_root
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_data_parallel_ranks_meet_through_their_throttled_links(tmp_path: Path) -> None:
+    """ddiloco local --netns --mode ddp --link-rate: the ranks' all-reduce crosses
+    their own limited links, and the summary counts what each interface sent: a
+    two-rank ring all-reduce sends each rank about the model's fp32 bytes per step."""
+    from learner.model import GPT, ModelConfig
+
+    out, steps = tmp_path / "run", 10
+    done = subprocess.run(
+        [sys.executable, "-m", "compose.cli", "local", "--netns", "--link-rate", "50mbit",
+         "--mode", "ddp", "--learners", "2", "--steps", str(steps), "--model-d-model", "64",
+         "--model-n-layer", "2", "--model-n-head", "2", "--model-seq-len", "64",
+         "--batch-size", "8", "--no-progress", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = GPT(ModelConfig(d_model=64, n_layer=2, n_head=2, seq_len=64))
+    model_bytes = 4 * sum(p.numel() for p in model.parameters())
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps_per_learner"] == steps
+    links = summary["link_bytes"]
+    assert sorted(links) == ["learner-0", "learner-1"]
+    for counts in links.values():
+        # Every step's all-reduce, plus the rendezvous, the start's broadcast and headers.
+        assert steps * model_bytes <= counts["tx_bytes"] <= 3 * (steps + 1) * model_bytes
+        assert steps * model_bytes <= counts["rx_bytes"] <= 3 * (steps + 1) * model_bytes
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    netns = json.loads((out / "netns.json").read_text())
+    assert not any(v["netns"] in names for v in netns.values())
+
+
+def test_link_rate_needs_namespaces() -> None:
+    from compose.local import LocalConfig
+
+    with pytest.raises(ValueError, match="add --netns"):
+        LocalConfig(link_rate="10mbit")
+    with pytest.raises(ValueError, match="rate="):
+        LocalConfig(netns=True, link_rate="fast")
