@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.local_run import local_run
 from compose.chaos import ChaosSchedule
 from compose.report import LOSS_CAUSES, goodput_breakdown
 
@@ -67,61 +66,50 @@ MODES: dict[str, dict[str, Any]] = {
 TARGETS = {"goodput": 0.85, "uptime": 0.99, "restart_to_train_s": 1.5}
 
 
-def _command(mode: dict[str, Any], system: str, seed: int, folder: Path) -> list[str]:
-    cmd = [
-        sys.executable, "-m", "compose.cli", "local", "--no-progress",
+def _arguments(mode: dict[str, Any], system: str, seed: int) -> list[str]:
+    args = [
         "--mode", SYSTEMS[system], "--learners", str(mode["learners"]),
         "--steps", str(mode["steps"]), "--seed", str(seed),
-        "--restart-s", str(mode["restart_s"]), "--warm-spares", "--out", str(folder),
-        *mode["extra"],
+        "--restart-s", str(mode["restart_s"]), "--warm-spares", *mode["extra"],
     ]  # fmt: skip
     if mode["mtbf_s"]:
-        cmd += ["--chaos-mtbf-s", str(mode["mtbf_s"])]
+        args += ["--chaos-mtbf-s", str(mode["mtbf_s"])]
     if mode["kill_at_s"]:
-        cmd += ["--kill-learner-at-s", str(mode["kill_at_s"])]
-    return cmd
+        args += ["--kill-learner-at-s", str(mode["kill_at_s"])]
+    return args
 
 
 def run_once(out: Path, mode: dict[str, Any], system: str, seed: int) -> dict[str, Any]:
-    """One run of one system, or its stored result."""
-    result_path = out / f"run-seed{seed}-{system}.json"
-    if result_path.exists():  # resumable: a finished run is not repeated
-        done: dict[str, Any] = json.loads(result_path.read_text())
-        return done
-    folder = out / f"run-seed{seed}-{system}"
-    if not (folder / "summary.json").exists():
-        if folder.exists():  # an unfinished earlier try: its progress files would leak in
-            shutil.rmtree(folder)
-        cmd = _command(mode, system, seed, folder)
-        print("$", " ".join(cmd[2:]), flush=True)
-        subprocess.run(cmd, check=True)
-    summary = json.loads((folder / "summary.json").read_text())
-    events = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    accounting = goodput_breakdown(events, SYSTEMS[system], fragments=_fragments(events))
-    start = next(e["t"] for e in events if e["event"] == "run_start")
-    kills = [
-        {"at_s": round(e["t"] - start, 2), "process": e["process"]}
-        for e in events
-        if e["event"] == "process_kill" and e.get("reason") in ("chaos", "scheduled")
-    ]
-    result = {
-        "system": system,
-        "seed": seed,
-        "goodput": accounting["goodput"],
-        "uptime": summary["uptime"],
-        "lost": accounting["lost"],
-        "kills": kills,
-        "restarts": accounting["restarts"],
-        "wall_s": accounting["wall_s"],
-        "final_eval_loss": summary["final_eval_loss"],
-        "learners": mode["learners"],
-        "steps": mode["steps"],
-        "restart_s": mode["restart_s"],
-        "chaos_mtbf_s": mode["mtbf_s"],
-        "kill_learner_at_s": mode["kill_at_s"],
-    }
-    result_path.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    """One run of one system, or its stored result (if run with today's settings)."""
+
+    def describe(folder: Path, summary: dict[str, Any]) -> dict[str, Any]:
+        events = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        accounting = goodput_breakdown(events, SYSTEMS[system], fragments=_fragments(events))
+        start = next(e["t"] for e in events if e["event"] == "run_start")
+        kills = [
+            {"at_s": round(e["t"] - start, 2), "process": e["process"]}
+            for e in events
+            if e["event"] == "process_kill" and e.get("reason") in ("chaos", "scheduled")
+        ]
+        return {
+            "system": system,
+            "seed": seed,
+            "goodput": accounting["goodput"],
+            "uptime": summary["uptime"],
+            "lost": accounting["lost"],
+            "kills": kills,
+            "restarts": accounting["restarts"],
+            "wall_s": accounting["wall_s"],
+            "final_eval_loss": summary["final_eval_loss"],
+            "learners": mode["learners"],
+            "steps": mode["steps"],
+            "restart_s": mode["restart_s"],
+            "chaos_mtbf_s": mode["mtbf_s"],
+            "kill_learner_at_s": mode["kill_at_s"],
+        }
+
+    args = _arguments(mode, system, seed)
+    return local_run(out / f"run-seed{seed}-{system}.json", args, describe)
 
 
 def _fragments(events: list[dict[str, Any]]) -> int:

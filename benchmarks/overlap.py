@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from benchmarks.local_run import local_run
 
 # (learners, steps, pause period, seeds, extra flags) per mode.
 MODES: dict[str, dict[str, Any]] = {
@@ -36,34 +37,25 @@ MODES: dict[str, dict[str, Any]] = {
 
 
 def run_once(out: Path, mode: dict[str, Any], seed: int) -> dict[str, Any]:
-    result_path = out / f"run-seed{seed}.json"
-    if result_path.exists():  # resumable: a finished run is not repeated
-        done: dict[str, Any] = json.loads(result_path.read_text())
-        return done
-    folder = out / f"run-seed{seed}"
-    cmd = [
-        sys.executable, "-m", "compose.cli", "local", "--no-progress",
+    """One run, or its stored result (if run with today's settings)."""
+    args = [
         "--learners", str(mode["learners"]), "--steps", str(mode["steps"]),
-        "--sync-pause-every", str(mode["pause"]), "--seed", str(seed),
-        "--out", str(folder), *mode["extra"],
+        "--sync-pause-every", str(mode["pause"]), "--seed", str(seed), *mode["extra"],
     ]  # fmt: skip
-    print("$", " ".join(cmd[2:]), flush=True)
-    if (folder / "summary.json").exists():
-        folder.rename(folder.with_name(folder.name + "-old"))  # a half-written earlier try
-    subprocess.run(cmd, check=True)
-    summary = json.loads((folder / "summary.json").read_text())
-    sync, nosync = summary["steps_per_s_sync_on"], summary["steps_per_s_sync_off"]
-    result = {
-        "seed": seed,
-        "steps_per_s_sync": sync,
-        "steps_per_s_nosync": nosync,
-        "ratio": sync / nosync,
-        "learners": mode["learners"],
-        "steps": mode["steps"],
-        "pause_every": mode["pause"],
-    }
-    result_path.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+
+    def describe(folder: Path, summary: dict[str, Any]) -> dict[str, Any]:
+        sync, nosync = summary["steps_per_s_sync_on"], summary["steps_per_s_sync_off"]
+        return {
+            "seed": seed,
+            "steps_per_s_sync": sync,
+            "steps_per_s_nosync": nosync,
+            "ratio": sync / nosync,
+            "learners": mode["learners"],
+            "steps": mode["steps"],
+            "pause_every": mode["pause"],
+        }
+
+    return local_run(out / f"run-seed{seed}.json", args, describe)
 
 
 def main(argv: list[str] | None = None) -> int:

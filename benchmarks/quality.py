@@ -14,7 +14,8 @@ each system's gap to data parallel at equal tokens.
 
 full: M = 4, 300 steps, seeds 0-4 (15 runs); ``--quick``: seed 0 only;
 ``--smoke`` (CI): M = 2, a tiny model, 20 steps. Each finished run is kept
-(``run-seed<S>-<system>.json``) and not repeated on a rerun. Writes
+(``run-seed<S>-<system>.json``) and not repeated on a rerun unless a setting
+it ran with changed (a new default reruns decoupled, never the reference). Writes
 ``quality-<mode>.json`` and ``quality-<mode>.png`` (held-out loss against tokens
 for the first seed, and the per-seed cost).
 """
@@ -24,12 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from benchmarks.local_run import local_run
 
 # name -> the ddiloco local arguments that make it
 SYSTEMS: dict[str, list[str]] = {
@@ -54,34 +55,24 @@ TARGETS = {"decoupling_cost_mean": 0.01, "gap_to_ddp": 0.141}
 def run_once(
     out: Path, mode: dict[str, Any], system: str, seed: int, extra: list[str]
 ) -> dict[str, Any]:
-    """One run of one system, or its stored result."""
-    result_path = out / f"run-seed{seed}-{system}.json"
-    if result_path.exists():  # resumable: a finished run is not repeated
-        done: dict[str, Any] = json.loads(result_path.read_text())
-        return done
-    folder = out / f"run-seed{seed}-{system}"
-    if folder.exists():  # an unfinished earlier try
-        shutil.rmtree(folder)
-    cmd = [
-        sys.executable, "-m", "compose.cli", "local", "--no-progress",
+    """One run of one system, or its stored result (if run with today's settings)."""
+    args = [
         *SYSTEMS[system], "--learners", str(mode["learners"]), "--steps", str(mode["steps"]),
-        "--seed", str(seed), "--out", str(folder), *mode["extra"], *extra,
+        "--seed", str(seed), *mode["extra"], *extra,
     ]  # fmt: skip
-    print("$", " ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, check=True)
-    summary = json.loads((folder / "summary.json").read_text())
-    result = {
-        "system": system,
-        "seed": seed,
-        "arguments": cmd[4:],
-        "final_eval_loss": summary["final_eval_loss"],
-        "tokens": summary.get("tokens_total"),
-        "bytes_up": summary.get("bytes_up"),
-        "bytes_down": summary.get("bytes_down"),
-        "eval_curve": summary.get("eval_curve", []),
-    }
-    result_path.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+
+    def describe(folder: Path, summary: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "system": system,
+            "seed": seed,
+            "final_eval_loss": summary["final_eval_loss"],
+            "tokens": summary.get("tokens_total"),
+            "bytes_up": summary.get("bytes_up"),
+            "bytes_down": summary.get("bytes_down"),
+            "eval_curve": summary.get("eval_curve", []),
+        }
+
+    return local_run(out / f"run-seed{seed}-{system}.json", args, describe)
 
 
 def relative_gaps(losses: dict[int, float], against: dict[int, float]) -> dict[str, Any]:

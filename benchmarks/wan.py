@@ -27,8 +27,8 @@ that step time (the JSON says so per result: ``time_method``).
 full: M = 4, 300 steps, links at 100, 20 and 10 Mbit/s; ``--quick``: 150
 steps, 10 Mbit/s only; ``--smoke`` (CI): M = 2, a tiny model, 20 steps,
 10 Mbit/s. Each finished run is kept (``run-<system>-<rate>.json``) and not
-repeated on a rerun. Writes ``wan-<mode>.json`` and ``wan-<mode>.png``. Needs
-root (namespaces, tc).
+repeated on a rerun unless a setting it ran with changed. Writes
+``wan-<mode>.json`` and ``wan-<mode>.png``. Needs root (namespaces, tc).
 """
 
 from __future__ import annotations
@@ -36,13 +36,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.local_run import local_run
 from benchmarks.quality import SYSTEMS as QUALITY_SYSTEMS
 from benchmarks.quality import TINY
 
@@ -105,56 +104,44 @@ def run_once(
     out: Path, mode: dict[str, Any], system: str, rate: int | None, extra: list[str]
 ) -> dict[str, Any]:
     """One run of one system at one link rate (None: unthrottled), or its stored result."""
-    label = f"{system}-{rate}mbit" if rate else f"{system}-free"
-    result_path = out / f"run-{label}.json"
-    if result_path.exists():  # resumable: a finished run is not repeated
-        done: dict[str, Any] = json.loads(result_path.read_text())
-        return done
-    folder = out / f"run-{label}"
-    if folder.exists():  # an unfinished earlier try
-        shutil.rmtree(folder)
     # Throttled data parallel and DiLoCo run only long enough to time their steps.
     timed_only = rate is not None and system != "decoupled"
     steps = mode["timed_steps"] if timed_only else mode["steps"]
-    cmd = [
-        sys.executable, "-m", "compose.cli", "local", "--no-progress", "--netns",
-        *SYSTEMS[system], "--learners", str(mode["learners"]), "--steps", str(steps),
-        "--seed", "0", "--eval-every-s", str(EVAL_EVERY_S), "--out", str(folder),
-        *mode["extra"], *extra,
+    args = [
+        "--netns", *SYSTEMS[system], "--learners", str(mode["learners"]), "--steps", str(steps),
+        "--seed", "0", "--eval-every-s", str(EVAL_EVERY_S), *mode["extra"], *extra,
     ]  # fmt: skip
     if rate:
-        cmd += ["--link-rate", f"{rate}mbit"]
-    print("$", " ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, check=True)
-    summary = json.loads((folder / "summary.json").read_text())
-    links = summary["link_bytes"]
-    sent = sum(v["tx_bytes"] for v in links.values())
-    received = sum(v["rx_bytes"] for v in links.values())
-    seconds_per_step, timed = step_time(folder, mode["warmup"])
-    tokens_per_step = summary["tokens_total"] / summary["steps_per_learner"]
-    starts = [e["t"] for e in _jsonl(folder / "metrics.jsonl") if e["event"] == "start"]
-    evals = [e for e in _jsonl(folder / "evaluator.jsonl") if e["event"] == "eval"]
-    result = {
-        "system": system,
-        "rate_mbit": rate,
-        "arguments": cmd[4:],
-        "steps": steps,
-        "final_eval_loss": summary["final_eval_loss"],
-        "wall_s": summary["wall_s"],
-        # What crossed the links: learners' transmissions, and for the DiLoCo modes
-        # the syncer's (what the learners received; in ddp that is other learners').
-        "bytes": sent + (received if system != "ddp" else 0),
-        "bytes_sent_by_learners": sent,
-        "bytes_received_by_learners": received,
-        "seconds_per_step": seconds_per_step,
-        "timed_steps": timed,
-        "steps_per_token": 1 / tokens_per_step,
-        "curve_steps": [(t / tokens_per_step, loss) for t, loss in summary["eval_curve"]
-                        if t is not None],
-        "curve_seconds": [(e["t"] - min(starts), e["loss"]) for e in evals] if starts else [],
-    }  # fmt: skip
-    result_path.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+        args += ["--link-rate", f"{rate}mbit"]
+
+    def describe(folder: Path, summary: dict[str, Any]) -> dict[str, Any]:
+        links = summary["link_bytes"]
+        sent = sum(v["tx_bytes"] for v in links.values())
+        received = sum(v["rx_bytes"] for v in links.values())
+        seconds_per_step, timed = step_time(folder, mode["warmup"])
+        tokens_per_step = summary["tokens_total"] / summary["steps_per_learner"]
+        starts = [e["t"] for e in _jsonl(folder / "metrics.jsonl") if e["event"] == "start"]
+        evals = [e for e in _jsonl(folder / "evaluator.jsonl") if e["event"] == "eval"]
+        return {
+            "system": system,
+            "rate_mbit": rate,
+            "steps": steps,
+            "final_eval_loss": summary["final_eval_loss"],
+            "wall_s": summary["wall_s"],
+            # What crossed the links: learners' transmissions, and for the DiLoCo modes
+            # the syncer's (what the learners received; in ddp, other learners' sends).
+            "bytes": sent + (received if system != "ddp" else 0),
+            "bytes_sent_by_learners": sent,
+            "bytes_received_by_learners": received,
+            "seconds_per_step": seconds_per_step,
+            "timed_steps": timed,
+            "curve_steps": [(t / tokens_per_step, loss) for t, loss in summary["eval_curve"]
+                            if t is not None],
+            "curve_seconds": [(e["t"] - min(starts), e["loss"]) for e in evals] if starts else [],
+        }  # fmt: skip
+
+    label = f"{system}-{rate}mbit" if rate else f"{system}-free"
+    return local_run(out / f"run-{label}.json", args, describe)
 
 
 def time_to_target(

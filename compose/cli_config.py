@@ -96,7 +96,7 @@ def _leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
             yield from _leaves(tp, prefix + f.metadata.get("flag_prefix", ""))
         else:
             default = f.default_factory() if callable(f.default_factory) else f.default
-            shown = "" if default is dataclasses.MISSING else f"default {_text(default)}"
+            shown = "" if default is dataclasses.MISSING else f"default {flag_text(default)}"
             yield prefix + f.name, tp, "; ".join(x for x in (comments.get(f.name), shown) if x)
 
 
@@ -164,13 +164,13 @@ def dataclass_from_args(
     return cls(**kwargs)
 
 
-def _text(value: Any) -> str:
+def flag_text(value: Any) -> str:
     if value is None:
         return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, tuple):
-        return ",".join(_text(v) for v in value)
+        return ",".join(flag_text(v) for v in value)
     return str(value)
 
 
@@ -190,5 +190,5 @@ def dataclass_to_args(obj: Any) -> list[str]:
     """Flags that make :func:`dataclass_from_args` rebuild ``obj`` exactly."""
     args: list[str] = []
     for name, value in dataclass_values(obj).items():
-        args += [_flag(name), _text(value)]
+        args += [_flag(name), flag_text(value)]
     return args
