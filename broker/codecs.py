@@ -7,8 +7,9 @@ optional lossless stage (zstd or lz4) follows. Accumulation and the outer
 optimizer always run in fp32; only the wire is compressed.
 
 Layout of the quantised payload (before the lossless stage), little endian:
-``scales (fp32, one per block) | codes`` where codes are int8 (one per value)
-or int4 (two per byte, low nibble first, stored as q + 8).
+``scales (fp32, one per block) | codes`` where codes are int8 (one per value),
+int4 (two per byte, low nibble first, stored as q + 8) or int2 (ternary: q in
+{-1, 0, 1}, four per byte, lowest bits first, stored as q + 2).
 
 Sparse (``int4+top0.03``): of each block of ``block_size`` values (4096 by
 default) only the ``ceil(density * block length)`` largest in magnitude go out,
@@ -33,16 +34,21 @@ import numpy as np
 import torch
 import zstandard
 
-Quant = Literal["fp32", "bf16", "int8", "int4"]
+Quant = Literal["fp32", "bf16", "int8", "int4", "int2"]
 Lossless = Literal["none", "zstd", "lz4"]
-QUANTS: tuple[Quant, ...] = ("fp32", "bf16", "int8", "int4")
+QUANTS: tuple[Quant, ...] = ("fp32", "bf16", "int8", "int4", "int2")
 LOSSLESS: tuple[Lossless, ...] = ("none", "zstd", "lz4")
 Buffer: TypeAlias = bytes | bytearray | memoryview  # what decodes: wire payloads are any of them
 DEFAULT_BLOCK_SIZE = 64
 SPARSE_BLOCK_SIZE = 4096  # top-k picks per block: large, so that k is not all ties
 if sys.byteorder != "little":  # decoding views the little-endian wire bytes as they are
     raise ImportError("ddiloco's codecs need a little-endian machine")
-_QMAX = {"int8": 127, "int4": 7}
+_QMAX = {"int8": 127, "int4": 7, "int2": 1}
+_BITS = {"int8": 8, "int4": 4, "int2": 2}
+# int2: the four codes of each byte value, in order (a gather decodes a chunk).
+_INT2_CODES = torch.tensor(
+    [[(b >> (2 * j) & 3) - 2 for j in range(4)] for b in range(256)], dtype=torch.int8
+)
 # Values decoded per chunk: small enough that a chunk's codes, widened, are still
 # in the cache when they are scaled.
 _CHUNK_VALUES = 1 << 16
@@ -80,7 +86,7 @@ class Codec:
         # As its name writes it, so that the name parses back to an equal codec.
         object.__setattr__(self, "density", float(f"{self.density:g}"))
         if self.sparse and self.quant not in _QMAX:
-            raise CodecError(f"a sparse codec sends int8 or int4 values, not {self.quant}")
+            raise CodecError(f"a sparse codec sends int8, int4 or int2 values, not {self.quant}")
         if self.block_size == 0:
             object.__setattr__(self, "block_size", self._default_block)
         if not 8 <= self.block_size <= 4096 or self.block_size % 2:
@@ -148,9 +154,11 @@ class Codec:
             return 2 * numel
         blocks = -(-numel // self.block_size)
         kept = self.kept(numel)
-        codes = kept if self.quant == "int8" else -(-kept // 2)
         indices = 2 * kept if self.sparse else 0
-        return 4 * blocks + indices + codes
+        return 4 * blocks + indices + self._code_bytes(kept)
+
+    def _code_bytes(self, count: int) -> int:
+        return -(-count * _BITS[self.quant] // 8)
 
     def kept_per_block(self, length: int) -> int:
         """How many of a block of ``length`` values a sparse codec sends."""
@@ -235,10 +243,46 @@ class Codec:
         codes_np = codes.numpy()
         if self.quant == "int8":
             return codes_np.tobytes()
-        nibbles = (codes_np.astype(np.int16) + 8).astype(np.uint8)
-        if nibbles.size % 2:
-            nibbles = np.append(nibbles, np.uint8(8))
-        return (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8).tobytes()
+        bits = _BITS[self.quant]
+        per_byte, offset = 8 // bits, 1 << (bits - 1)  # the padding code is a zero
+        stored = (codes_np.astype(np.int16) + offset).astype(np.uint8)
+        stored = np.append(stored, np.full(-stored.size % per_byte, offset, np.uint8))
+        stored = stored.reshape(-1, per_byte)
+        packed = np.zeros(stored.shape[0], dtype=np.uint8)
+        for j in range(per_byte):
+            packed |= stored[:, j] << (bits * j)
+        return packed.tobytes()
+
+    def _unpacked(
+        self,
+        body: torch.Tensor,
+        start: int,
+        count: int,
+        out: torch.Tensor,
+        scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Codes ``start .. start + count`` of the packed ``body`` into ``out`` (fp32);
+        ``start`` is a multiple of the codes per byte. int4's ``scratch``: two int16
+        buffers of at least ``count / 2`` values, reused chunk after chunk."""
+        if self.quant == "int8":
+            out.copy_(body[start : start + count].view(torch.int8))
+        elif self.quant == "int2":
+            packed = body[start // 4 : (start + count + 3) // 4]
+            out.copy_(_INT2_CODES[packed.to(torch.int64)].view(-1)[:count])
+        else:
+            # Two nibbles q + 8 in [0, 15] per byte b = low + 16 high: as int16,
+            # b + 240 high = low + 256 high puts them in two bytes, low first
+            # (little endian), interleaved as the values are; then back to q.
+            # Every step is contiguous, so vectorised.
+            packed = body[start // 2 : (start + count + 1) // 2]
+            m = packed.numel()
+            pairs, high = scratch or (
+                torch.empty(m, dtype=torch.int16),
+                torch.empty_like(packed, dtype=torch.int16),
+            )
+            both = pairs[:m].copy_(packed)
+            both.add_(torch.bitwise_right_shift(both, 4, out=high[:m]), alpha=240)
+            out.copy_(both.view(torch.int8)[:count].sub_(8))
 
     def _sparse_blocks(self, numel: int) -> list[tuple[int, int, int]]:
         """(start, blocks, length) of the full blocks and of the last, partial one."""
@@ -284,25 +328,16 @@ class Codec:
         blocks = -(-numel // block)
         scales = _wire_view(raw, torch.float32, 0, blocks)
         body = _wire_view(raw, torch.uint8, 4 * blocks, memoryview(raw).nbytes - 4 * blocks)
-        chunk = _CHUNK_VALUES // block * block
-        if self.quant == "int4":
-            pairs = torch.empty(chunk // 2, dtype=torch.int16)
-            high = torch.empty(chunk // 2, dtype=torch.int16)
+        # Whole blocks, and (blocks being even) a multiple of four codes per chunk.
+        chunk = _CHUNK_VALUES // (2 * block) * (2 * block)
+        scratch = (
+            torch.empty(chunk // 2, dtype=torch.int16),
+            torch.empty(chunk // 2, dtype=torch.int16),
+        )
         for start in range(0, numel, chunk):
             piece = out[start : start + chunk]
             n = piece.numel()
-            if self.quant == "int8":
-                piece.copy_(body[start : start + n].view(torch.int8))
-            else:
-                # Two nibbles q + 8 in [0, 15] per byte b = low + 16 high: as int16,
-                # b + 240 high = low + 256 high puts them in two bytes, low first
-                # (little endian), interleaved as the values are; then back to q.
-                # Every step is contiguous, so vectorised.
-                packed = body[start // 2 : (start + n + 1) // 2]
-                m = packed.numel()
-                both = pairs[:m].copy_(packed)
-                both.add_(torch.bitwise_right_shift(both, 4, out=high[:m]), alpha=240)
-                piece.copy_(both.view(torch.int8)[:n].sub_(8))
+            self._unpacked(body, start, n, piece, scratch)
             # A hostile payload may carry inf scales: the NaN that makes is refused by
             # the caller's finiteness check.
             full = n // block * block
@@ -318,15 +353,9 @@ class Codec:
         kept = self.kept(numel)
         scales = _wire_view(raw, torch.float32, 0, blocks)
         indices = _wire_view(raw, torch.int16, 4 * blocks, kept).view(torch.uint16)
-        code_bytes = kept if self.quant == "int8" else -(-kept // 2)
-        body = _wire_view(raw, torch.uint8, 4 * blocks + 2 * kept, code_bytes)
+        body = _wire_view(raw, torch.uint8, 4 * blocks + 2 * kept, self._code_bytes(kept))
         values = torch.empty(kept, dtype=torch.float32)
-        if self.quant == "int8":
-            values.copy_(body[:kept].view(torch.int8))
-        else:
-            low = torch.bitwise_and(body, 15).to(torch.int8)
-            high = torch.bitwise_right_shift(body, 4).to(torch.int8)
-            values.copy_(torch.stack((low, high), dim=1).reshape(-1)[:kept].sub_(8))
+        self._unpacked(body, 0, kept, values)
         out.zero_()
         block, at = 0, 0
         for start, count, length in self._sparse_blocks(numel):

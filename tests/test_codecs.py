@@ -80,7 +80,7 @@ def test_bf16_matches_numpy_rounding_and_bound(n: int) -> None:
 
 @pytest.mark.parametrize("block", [8, 64, 128])
 @pytest.mark.parametrize("n", LENGTHS)
-@pytest.mark.parametrize(("quant", "qmax"), [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize(("quant", "qmax"), [("int8", 127), ("int4", 7), ("int2", 1)])
 def test_blockwise_error_bound_and_numpy_reference(
     quant: str, qmax: int, n: int, block: int
 ) -> None:
@@ -95,7 +95,7 @@ def test_blockwise_error_bound_and_numpy_reference(
 
 
 @pytest.mark.parametrize("n", [3 * 65536 + 5, 65536 * 2])
-@pytest.mark.parametrize(("quant", "qmax"), [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize(("quant", "qmax"), [("int8", 127), ("int4", 7), ("int2", 1)])
 def test_decode_past_a_chunk_matches_the_numpy_reference(quant: str, qmax: int, n: int) -> None:
     """Decoding goes chunk by chunk: chunk edges and the partial last block."""
     x = gaussian(n, seed=n, scale=0.01)
@@ -104,7 +104,9 @@ def test_decode_past_a_chunk_matches_the_numpy_reference(quant: str, qmax: int, 
     assert np.array_equal(c.decode(c.encode(x), n).numpy(), expected)
 
 
-@pytest.mark.parametrize("spec", ["fp32", "bf16", "int8", "int4", "int4+zstd", "int8@8"])
+@pytest.mark.parametrize(
+    "spec", ["fp32", "bf16", "int8", "int4", "int2", "int4+zstd", "int8@8", "int2@8"]
+)
 def test_decode_into_a_buffer(spec: str) -> None:
     """``out``: the same values, written into the given tensor, which is returned."""
     n = 1001
@@ -118,7 +120,7 @@ def test_decode_into_a_buffer(spec: str) -> None:
             c.decode(payload, n, bad)
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "int2"])
 def test_zeros_and_constant_blocks(quant: str) -> None:
     c = Codec(quant, "none", 8)  # type: ignore[arg-type]
     zeros = torch.zeros(21)
@@ -159,17 +161,18 @@ def test_int8_layout_by_hand() -> None:
 @pytest.mark.parametrize(
     ("n", "block", "sizes"),
     [
-        # n: fp32, bf16, int8 = 4*ceil(n/b) + n, int4 = 4*ceil(n/b) + ceil(n/2)
-        (0, 64, (0, 0, 0, 0)),
-        (1, 64, (4, 2, 5, 5)),
-        (64, 64, (256, 128, 68, 36)),
-        (65, 64, (260, 130, 73, 41)),
-        (1001, 64, (4004, 2002, 1065, 565)),
-        (1001, 128, (4004, 2002, 1033, 533)),
-        (4097, 8, (16388, 8194, 6149, 4101)),
+        # n: fp32, bf16, int8 = 4*ceil(n/b) + n, int4 = 4*ceil(n/b) + ceil(n/2),
+        # int2 = 4*ceil(n/b) + ceil(n/4)
+        (0, 64, (0, 0, 0, 0, 0)),
+        (1, 64, (4, 2, 5, 5, 5)),
+        (64, 64, (256, 128, 68, 36, 20)),
+        (65, 64, (260, 130, 73, 41, 25)),
+        (1001, 64, (4004, 2002, 1065, 565, 315)),
+        (1001, 128, (4004, 2002, 1033, 533, 283)),
+        (4097, 8, (16388, 8194, 6149, 4101, 3077)),
     ],
 )
-def test_exact_sizes(n: int, block: int, sizes: tuple[int, int, int, int]) -> None:
+def test_exact_sizes(n: int, block: int, sizes: tuple[int, ...]) -> None:
     x = gaussian(n, seed=n)
     for quant, expected in zip(QUANTS, sizes, strict=True):
         c = Codec(quant, "none", block)
@@ -240,7 +243,7 @@ def test_parse_and_name(spec: str, codec: Codec, name: str) -> None:
 def test_parse_name_round_trip_for_all() -> None:
     for quant in QUANTS:
         for lossless in LOSSLESS:
-            blocks = [8, 64, 128, 4096] if quant in ("int8", "int4") else [64]
+            blocks = [8, 64, 128, 4096] if quant.startswith("int") else [64]
             for block in blocks:
                 c = Codec(quant, lossless, block)
                 assert Codec.parse(c.name) == c
@@ -284,7 +287,7 @@ def test_bad_specs_raise(spec: object) -> None:
 
 
 def test_bad_constructor_args_raise() -> None:
-    for kwargs in ({"quant": "int2"}, {"lossless": "brotli"}, {"block_size": 4},
+    for kwargs in ({"quant": "int3"}, {"lossless": "brotli"}, {"block_size": 4},
                    {"block_size": 8192}, {"block_size": 65}):
         with pytest.raises(CodecError):
             Codec(**kwargs)  # type: ignore[arg-type]
@@ -300,7 +303,7 @@ def test_wrong_size_raises(quant: str) -> None:
         with pytest.raises(CodecError):
             c.decode(bad, 101)
     with pytest.raises(CodecError):
-        c.decode(data, 100 if quant != "int4" else 98)
+        c.decode(data, {"int4": 98, "int2": 96}.get(quant, 100))
 
 
 @pytest.mark.parametrize("lossless", ["zstd", "lz4"])
@@ -352,7 +355,7 @@ def test_decompression_bomb_raises_without_allocating(kind: str) -> None:
 @given(
     st.sampled_from(
         [f"{q}+{lo}" if lo != "none" else q for q in QUANTS for lo in LOSSLESS]
-        + ["int8+top0.25@8", "int4+top0.25@8", "int4+top0.5+zstd@16"]
+        + ["int8+top0.25@8", "int4+top0.25@8", "int2+top0.25@8", "int4+top0.5+zstd@16"]
     ),
     st.binary(max_size=600),
     st.integers(0, 300),
@@ -381,7 +384,7 @@ def numpy_sparse(x: np.ndarray, block: int, density: float, qmax: int) -> np.nda
     return y
 
 
-@pytest.mark.parametrize("quant,qmax", [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("quant,qmax", [("int8", 127), ("int4", 7), ("int2", 1)])
 @pytest.mark.parametrize("n", [1, 7, 64, 65, 1001, 4096, 9000])
 @pytest.mark.parametrize("block,density", [(64, 0.25), (4096, 0.03), (8, 0.1)])
 def test_sparse_keeps_the_largest_of_each_block(
@@ -410,6 +413,17 @@ def test_sparse_layout_by_hand() -> None:
     assert y.tolist() == pytest.approx([0, 4, 0, 0, -64 * 4 / 127, 0, 0, 0, 0, 0, 3])
     assert c.quantised_size(11) == len(data) == 8 + 6 + 3
     assert Codec("int4", "none", 8, 0.25).quantised_size(11) == 8 + 6 + 2
+
+
+def test_int2_layout_by_hand() -> None:
+    c = Codec("int2", "none", 8)
+    x = torch.tensor([4.0, -4.0, 0.5, 3.0, 0, 0, -2.5, 1.0, 2.0])  # a block of 8 and one of 1
+    data = c.encode(x)
+    assert struct.unpack("<2f", data[:8]) == (4.0, 2.0)
+    # q + 2, four per byte, lowest bits first: (3, 1, 2, 3) (2, 2, 1, 2) | (3, pad 2 x 3)
+    assert data[8:] == bytes([3 | 1 << 2 | 2 << 4 | 3 << 6, 2 | 2 << 2 | 1 << 4 | 2 << 6,
+                              3 | 2 << 2 | 2 << 4 | 2 << 6])  # fmt: skip
+    assert c.decode(data, 9).tolist() == [4, -4, 0, 4, 0, 0, -4, 0, 2]
 
 
 def test_sparse_int4_top_3_percent_is_a_tenth_of_dense_int8() -> None:
