@@ -2,6 +2,7 @@
 DiLoCo reference and data parallel, on paired seeds.
 
     python -m benchmarks.quality [--smoke | --quick] [--out benchmarks/results/quality]
+                                 [--variant NAME --decoupled "ARGS"]
                                  [-- extra ddiloco local arguments]
 
 Every system runs ``ddiloco local`` on the same model, data, seed and token
@@ -18,6 +19,11 @@ full: M = 4, 300 steps, seeds 0-4 (15 runs); ``--quick``: seed 0 only;
 it ran with changed (a new default reruns decoupled, never the reference). Writes
 ``quality-<mode>.json`` and ``quality-<mode>.png`` (held-out loss against tokens
 for the first seed, and the per-seed cost).
+
+``--variant sparse --decoupled "--delta-codec int4+top0.1"`` measures an option
+the same way: decoupled with those arguments (``run-seed<S>-decoupled-sparse``)
+against the same reference and data parallel runs, written to
+``quality-<mode>-sparse.json``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -53,13 +60,19 @@ TARGETS = {"decoupling_cost_mean": 0.01, "gap_to_ddp": 0.141}
 
 
 def run_once(
-    out: Path, mode: dict[str, Any], system: str, seed: int, extra: list[str]
+    out: Path, mode: dict[str, Any], system: str, seed: int, extra: list[str],
+    variant: tuple[str, list[str]] | None = None,
 ) -> dict[str, Any]:
-    """One run of one system, or its stored result (if run with today's settings)."""
+    """One run of one system, or its stored result (if run with today's settings).
+    ``variant``: (name, arguments) that decoupled runs with."""
     args = [
         *SYSTEMS[system], "--learners", str(mode["learners"]), "--steps", str(mode["steps"]),
         "--seed", str(seed), *mode["extra"], *extra,
     ]  # fmt: skip
+    label = system
+    if variant is not None and system == "decoupled":
+        label = f"{system}-{variant[0]}"
+        args += variant[1]
 
     def describe(folder: Path, summary: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -72,7 +85,7 @@ def run_once(
             "eval_curve": summary.get("eval_curve", []),
         }
 
-    return local_run(out / f"run-seed{seed}-{system}.json", args, describe)
+    return local_run(out / f"run-seed{seed}-{label}.json", args, describe)
 
 
 def relative_gaps(losses: dict[int, float], against: dict[int, float]) -> dict[str, Any]:
@@ -89,14 +102,19 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--smoke", action="store_true", help="CI: M=2, tiny model, 20 steps")
     which.add_argument("--quick", action="store_true", help="the full settings, seed 0 only")
     ap.add_argument("--out", default="benchmarks/results/quality")
+    ap.add_argument("--variant", help="a name for --decoupled's arguments, e.g. sparse")
+    ap.add_argument("--decoupled", default="", help="ddiloco local arguments of decoupled only")
     ap.add_argument("extra", nargs="*", help="arguments passed to every ddiloco local run")
     args = ap.parse_args(argv)
+    if bool(args.variant) != bool(args.decoupled):
+        ap.error("--variant NAME and --decoupled ARGS go together")
+    variant = (args.variant, shlex.split(args.decoupled)) if args.variant else None
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     mode = MODES[name]
     out = Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
     runs = [
-        run_once(out, mode, system, seed, args.extra)
+        run_once(out, mode, system, seed, args.extra, variant)
         for seed in mode["seeds"]
         for system in SYSTEMS
     ]
@@ -109,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         "mode": name,
         "settings": {k: v for k, v in mode.items() if k != "extra"}
         | {"tiny_model": bool(mode["extra"]), "extra": args.extra},
-        "systems": {system: " ".join(flags) for system, flags in SYSTEMS.items()},
+        "systems": {system: " ".join(flags) for system, flags in SYSTEMS.items()}
+        | ({"decoupled": f"--mode decoupled {args.decoupled}"} if variant else {}),
         "final_eval_loss": {
             system: {str(seed): loss for seed, loss in by_seed.items()}
             for system, by_seed in losses.items()
@@ -125,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "runs": runs,
     }
-    (out.parent / f"quality-{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(runs, result, out.parent / f"quality-{name}.png")
+    stem = f"quality-{name}" + (f"-{args.variant}" if variant else "")
+    (out.parent / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(runs, result, out.parent / f"{stem}.png")
     shown = ("mode", "final_eval_loss", "decoupling_cost", "gap_to_ddp", "bytes_on_the_wire")
     print(json.dumps({k: result[k] for k in shown}, indent=2))
     return 0

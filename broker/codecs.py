@@ -45,10 +45,6 @@ if sys.byteorder != "little":  # decoding views the little-endian wire bytes as 
     raise ImportError("ddiloco's codecs need a little-endian machine")
 _QMAX = {"int8": 127, "int4": 7, "int2": 1}
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
-# int2: the four codes of each byte value, in order (a gather decodes a chunk).
-_INT2_CODES = torch.tensor(
-    [[(b >> (2 * j) & 3) - 2 for j in range(4)] for b in range(256)], dtype=torch.int8
-)
 # Values decoded per chunk: small enough that a chunk's codes, widened, are still
 # in the cache when they are scaled.
 _CHUNK_VALUES = 1 << 16
@@ -259,30 +255,24 @@ class Codec:
         start: int,
         count: int,
         out: torch.Tensor,
-        scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+        scratch: list[torch.Tensor] | None = None,
     ) -> None:
         """Codes ``start .. start + count`` of the packed ``body`` into ``out`` (fp32);
-        ``start`` is a multiple of the codes per byte. int4's ``scratch``: two int16
+        ``start`` is a multiple of the codes per byte. ``scratch``: three int16
         buffers of at least ``count / 2`` values, reused chunk after chunk."""
         if self.quant == "int8":
             out.copy_(body[start : start + count].view(torch.int8))
-        elif self.quant == "int2":
-            packed = body[start // 4 : (start + count + 3) // 4]
-            out.copy_(_INT2_CODES[packed.to(torch.int64)].view(-1)[:count])
-        else:
-            # Two nibbles q + 8 in [0, 15] per byte b = low + 16 high: as int16,
-            # b + 240 high = low + 256 high puts them in two bytes, low first
-            # (little endian), interleaved as the values are; then back to q.
-            # Every step is contiguous, so vectorised.
-            packed = body[start // 2 : (start + count + 1) // 2]
-            m = packed.numel()
-            pairs, high = scratch or (
-                torch.empty(m, dtype=torch.int16),
-                torch.empty_like(packed, dtype=torch.int16),
-            )
-            both = pairs[:m].copy_(packed)
-            both.add_(torch.bitwise_right_shift(both, 4, out=high[:m]), alpha=240)
-            out.copy_(both.view(torch.int8)[:count].sub_(8))
+            return
+        bits = _BITS[self.quant]
+        per_byte = 8 // bits
+        packed = body[start // per_byte : (start + count + per_byte - 1) // per_byte]
+        pairs, high, more = scratch or [torch.empty(2 * packed.numel(), dtype=torch.int16)] * 3
+        if scratch is None:  # three distinct buffers
+            high, more = torch.empty_like(pairs), torch.empty_like(pairs)
+        codes = _split(packed, 4, pairs, high)  # int4: the codes; int2: two codes each
+        if bits == 2:
+            codes = _split(codes, 2, high, more)
+        out.copy_(codes[:count]).sub_(1 << (bits - 1))
 
     def _sparse_blocks(self, numel: int) -> list[tuple[int, int, int]]:
         """(start, blocks, length) of the full blocks and of the last, partial one."""
@@ -330,10 +320,7 @@ class Codec:
         body = _wire_view(raw, torch.uint8, 4 * blocks, memoryview(raw).nbytes - 4 * blocks)
         # Whole blocks, and (blocks being even) a multiple of four codes per chunk.
         chunk = _CHUNK_VALUES // (2 * block) * (2 * block)
-        scratch = (
-            torch.empty(chunk // 2, dtype=torch.int16),
-            torch.empty(chunk // 2, dtype=torch.int16),
-        )
+        scratch = [torch.empty(chunk // 2, dtype=torch.int16) for _ in range(3)]
         for start in range(0, numel, chunk):
             piece = out[start : start + chunk]
             n = piece.numel()
@@ -372,6 +359,18 @@ class Codec:
             out[start : start + count * length].view(count, length).scatter_(1, index, row_values)
             block, at = block + count, at + count * k
         return out
+
+
+def _split(packed: torch.Tensor, bits: int, wide: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Each byte ``b = low + 2**bits * high`` of ``packed`` (fields in [0, 2**bits)
+    and below) as two int8 values ``low, high``, in order, using the int16 buffers
+    ``wide`` and ``high``. As int16, ``b + (256 - 2**bits) * high = low + 256 high``
+    puts them in two bytes, low first (little endian), interleaved as the values
+    are. Every step is contiguous, so vectorised."""
+    m = packed.numel()
+    both = wide[:m].copy_(packed)
+    both.add_(torch.bitwise_right_shift(both, bits, out=high[:m]), alpha=256 - (1 << bits))
+    return both.view(torch.int8)
 
 
 def _wire_view(raw: Buffer, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:

@@ -44,11 +44,11 @@ class RunSettings:
     overlap: int = 2  # tau: steps between sending a fragment and expecting its global
     steps: int = 300  # inner steps per learner
     heartbeat_timeout_s: float = 5.0  # a learner is live while heard from within this
-    # learner -> syncer: fp32, bf16, int8, int4 [+topDENSITY: sparse] [+zstd|+lz4] [@block]
-    delta_codec: Codec = Codec("int8")
+    # learner -> syncer: fp32, bf16, int8, int4, int2 [+topDENSITY: sparse] [+zstd|+lz4] [@block]
+    delta_codec: Codec = Codec("int2", "zstd")  # chosen by measurement: benchmarks/README.md
     # syncer -> learners, the same choices; lossy ones send each version as the
     # change from the one before (README: compressed downlink)
-    global_codec: Codec = Codec("int8")
+    global_codec: Codec = Codec("int2", "zstd")
     initial_model: str = "initial-model.safetensors"  # written by `ddiloco init`
 
     def __post_init__(self) -> None:
