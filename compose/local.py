@@ -460,9 +460,20 @@ class LocalRun:
         return summary
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_local(cfg: LocalConfig) -> int:
-    run = LocalRun(cfg)
-    summary = run.run()
+    # SIGTERM (timeout, a benchmark or supervisor stopping the run) unwinds as
+    # Ctrl-C does: every process of the run is stopped and its namespaces removed,
+    # where the default action would leave them running.
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        run = LocalRun(cfg)
+        summary = run.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     console = Console()
     console.print(f"[bold]run folder[/bold] {run.out}")
     for k in SUMMARY_KEYS:

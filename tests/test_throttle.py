@@ -246,3 +246,43 @@ def test_link_rate_needs_namespaces() -> None:
         LocalConfig(link_rate="10mbit")
     with pytest.raises(ValueError, match="rate="):
         LocalConfig(netns=True, link_rate="fast")
+
+
+@needs_root
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_terminated_local_run_stops_its_processes_and_removes_its_namespaces(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM to ``ddiloco local`` (a timeout, a benchmark stopping it) must not
+    leave learners training on or namespaces behind."""
+    out = tmp_path / "run"
+    local = subprocess.Popen(
+        [sys.executable, "-m", "compose.cli", "local", "--netns", "--mode", "ddp",
+         "--learners", "2", "--steps", "100000", "--model-d-model", "64",
+         "--model-n-layer", "2", "--model-n-head", "2", "--model-seq-len", "64",
+         "--batch-size", "8", "--no-progress", "--out", str(out)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_until(
+            lambda: '"step"' in _read(out / "learners" / "learner-0.jsonl"),
+            240, interval_s=0.5, what="the ranks training",
+        )  # fmt: skip
+        pids = json.loads((out / "processes.json").read_text()).values()
+        local.terminate()
+        local.wait(timeout=120)
+    finally:
+        if local.poll() is None:
+            local.kill()
+            local.wait()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    netns = json.loads((out / "netns.json").read_text())
+    assert not any(v["netns"] in names for v in netns.values())
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
