@@ -40,7 +40,8 @@ MODES: dict[str, tuple[tuple[int, ...], int]] = {
     "quick": ((64,), 3),
     "full": ((64, 256), 5),
 }
-DELTA_CODECS = ("int8", "int4")
+# The default delta codec first, then the denser ones.
+DELTA_CODECS = tuple(dict.fromkeys((RunSettings().delta_codec.name, "int8", "int4")))
 
 
 def _params(global_codec: Codec) -> AggregationParams:
