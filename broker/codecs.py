@@ -7,13 +7,14 @@ optional lossless stage (zstd or lz4) follows. Accumulation and the outer
 optimizer always run in fp32; only the wire is compressed.
 
 Layout of the quantised payload (before the lossless stage), little endian:
-``scales (fp32, one per block) | codes`` where codes are int8 (one per value),
+``scales (one per block: fp32, bf16 for int2) | codes`` where codes are int8
+(one per value),
 int4 (two per byte, low nibble first, stored as q + 8) or int2 (ternary: q in
 {-1, 0, 1}, four per byte, lowest bits first, stored as q + 2).
 
 Sparse (``int4+top0.03``): of each block of ``block_size`` values (4096 by
 default) only the ``ceil(density * block length)`` largest in magnitude go out,
-quantised by the block's largest. Layout: ``scales (fp32, one per block) |
+quantised by the block's largest. Layout: ``scales (one per block, as above) |
 indices (uint16, within the block, strictly increasing per block) | codes``
 (int8 or int4 as above, over the kept values in order). Everything else decodes
 to zero; with error feedback (the learner's residual, the syncer's
@@ -151,7 +152,26 @@ class Codec:
         blocks = -(-numel // self.block_size)
         kept = self.kept(numel)
         indices = 2 * kept if self.sparse else 0
-        return 4 * blocks + indices + self._code_bytes(kept)
+        return self._scale_bytes * blocks + indices + self._code_bytes(kept)
+
+    @property
+    def _scale_bytes(self) -> int:
+        # int2's codes take a quarter of a byte: an fp32 scale per 64 of them would be
+        # a fifth of the message, and ternary values need no 24-bit scale.
+        return 2 if self.quant == "int2" else 4
+
+    def _wire_scales(self, scales: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """The scales' bytes, and the scales they decode to (what codes are
+        computed with, so that the decoded values are the ones quantised)."""
+        if self._scale_bytes == 2:
+            rounded = scales.to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy().astype("<i2").tobytes(), rounded.float()
+        return scales.numpy().astype("<f4").tobytes(), scales
+
+    def _read_scales(self, raw: Buffer, blocks: int) -> torch.Tensor:
+        if self._scale_bytes == 2:
+            return _wire_view(raw, torch.int16, 0, blocks).view(torch.bfloat16).float()
+        return _wire_view(raw, torch.float32, 0, blocks)
 
     def _code_bytes(self, count: int) -> int:
         return -(-count * _BITS[self.quant] // 8)
@@ -225,9 +245,9 @@ class Codec:
         padded = torch.zeros(blocks * self.block_size, dtype=torch.float32)
         padded[:n] = flat
         padded = padded.view(blocks, self.block_size)
-        scales = padded.abs().amax(dim=1) / _QMAX[self.quant]
+        scale_bytes, scales = self._wire_scales(padded.abs().amax(dim=1) / _QMAX[self.quant])
         codes = self._codes(padded, scales).reshape(-1)[:n]
-        return scales.numpy().astype("<f4").tobytes() + self._packed(codes)
+        return scale_bytes + self._packed(codes)
 
     def _codes(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """int8 codes of ``values`` (one row per block) under the blocks' scales."""
@@ -289,14 +309,14 @@ class Codec:
             index = rows.abs().topk(self.kept_per_block(length), dim=1, sorted=False).indices
             index = index.sort(dim=1).values
             values = rows.gather(1, index)
-            scale = values.abs().amax(dim=1) / _QMAX[self.quant]
-            scales.append(scale)
+            scale_bytes, scale = self._wire_scales(values.abs().amax(dim=1) / _QMAX[self.quant])
+            scales.append(scale_bytes)
             indices.append(index.reshape(-1))
             codes.append(self._codes(values, scale).reshape(-1))
         if not scales:
             return b""
         return (
-            torch.cat(scales).numpy().astype("<f4").tobytes()
+            b"".join(scales)
             + torch.cat(indices).numpy().astype("<u2").tobytes()
             + self._packed(torch.cat(codes))
         )
@@ -316,8 +336,9 @@ class Codec:
         # Chunk by chunk, so the scaling finds the widened values in the cache.
         block = self.block_size
         blocks = -(-numel // block)
-        scales = _wire_view(raw, torch.float32, 0, blocks)
-        body = _wire_view(raw, torch.uint8, 4 * blocks, memoryview(raw).nbytes - 4 * blocks)
+        scales = self._read_scales(raw, blocks)
+        head = self._scale_bytes * blocks
+        body = _wire_view(raw, torch.uint8, head, memoryview(raw).nbytes - head)
         # Whole blocks, and (blocks being even) a multiple of four codes per chunk.
         chunk = _CHUNK_VALUES // (2 * block) * (2 * block)
         scratch = [torch.empty(chunk // 2, dtype=torch.int16) for _ in range(3)]
@@ -338,9 +359,10 @@ class Codec:
         numel = out.numel()
         blocks = -(-numel // self.block_size)
         kept = self.kept(numel)
-        scales = _wire_view(raw, torch.float32, 0, blocks)
-        indices = _wire_view(raw, torch.int16, 4 * blocks, kept).view(torch.uint16)
-        body = _wire_view(raw, torch.uint8, 4 * blocks + 2 * kept, self._code_bytes(kept))
+        scales = self._read_scales(raw, blocks)
+        head = self._scale_bytes * blocks
+        indices = _wire_view(raw, torch.int16, head, kept).view(torch.uint16)
+        body = _wire_view(raw, torch.uint8, head + 2 * kept, self._code_bytes(kept))
         values = torch.empty(kept, dtype=torch.float32)
         self._unpacked(body, 0, kept, values)
         out.zero_()
