@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from broker.codecs import Codec
-from broker.transport import Backpressure, LearnerTransport
+from broker.transport import Backpressure, LearnerTransport, candidate_order
 from broker.wire import Delta, GlobalFragment, Heartbeat
 from learner.fragment_sync import Stamp
+from learner.join import STALE
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +177,21 @@ class CommThread(threading.Thread):
             self.transport.send_heartbeat(hb)
         arrived = self.transport.poll(0.01)
         self._force_next |= self.transport.refused_fragments()
+        # Whole weights in this batch (a snapshot) supersede every change up to
+        # their version: those are skipped, and the weights go first, so a change
+        # that arrived beside a newer snapshot never asks for another one.
+        newest: dict[int, tuple[int, int]] = {}
         for g in arrived:
+            if not g.is_change:
+                newest[g.fragment] = max(
+                    newest.get(g.fragment, (g.epoch, -1)), (g.epoch, g.version)
+                )
+        for g in sorted(arrived, key=lambda g: (*candidate_order(g), g.is_change)):
+            if g.is_change and g.fragment in newest and (g.epoch, g.version) <= newest[g.fragment]:
+                continue
             decoded = self.check(g)
+            if decoded == STALE:
+                continue
             if isinstance(decoded, str):
                 self.globals_rejected[decoded] += 1
                 log.warning("refused global %d v%d: %s", g.fragment, g.version, decoded)

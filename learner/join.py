@@ -16,6 +16,7 @@ from learner.fragment_sync import Stamp
 
 NO_BASE = "no_base"  # a change from a version this learner does not hold
 DIVERGED = "diverged"  # what it decodes to is not the version the syncer names
+STALE = "stale"  # a change to a version no newer than the one held
 
 
 class GlobalDecoder:
@@ -27,7 +28,8 @@ class GlobalDecoder:
     result is bit for bit the syncer's version). A change from any other
     version is refused as ``no_base``, and a global whose weights do not match
     the checksum it names as ``diverged``; either way the fragment's snapshot
-    is fetched.
+    is fetched. A change to a version no newer than the one held is ``stale``
+    (a snapshot overtook it) and fetches nothing.
     Callers hand every global they take to :meth:`decode`, in arrival order, and
     mark it accepted on the transport once decoded.
     """
@@ -45,6 +47,10 @@ class GlobalDecoder:
         if g.fragment >= plan.num_fragments or g.numel != plan.fragment_numel(g.fragment):
             return "bad_shape"
         held = self._held.get(g.fragment)
+        if g.is_change and held is not None and held[0][0] == g.epoch and g.version <= held[0][1]:
+            # Overtaken: a snapshot (on its own connection) brought a newer version
+            # first. Nothing is missing, so nothing to fetch.
+            return STALE
         if g.is_change and (held is None or held[0] != (g.epoch, g.change_from)):
             if self.transport is not None:
                 self.transport.resync(g.fragment)

@@ -21,7 +21,7 @@ from broker.wire import Delta, GlobalFragment, Heartbeat, weights_checksum
 from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
 from learner.config import WorkloadConfig
 from learner.fragment_sync import FragmentSync
-from learner.join import DIVERGED, NO_BASE, GlobalDecoder
+from learner.join import DIVERGED, NO_BASE, STALE, GlobalDecoder
 from learner.library import DecoupledDiLoCo
 from learner.model import ModelConfig
 from learner.worker import SlowHardware
@@ -372,6 +372,45 @@ def test_a_change_applies_only_to_the_version_it_is_from() -> None:
     assert torch.equal(result[2], apply_change(base, sent))
     # Another epoch's change is not from this version either.
     assert decoder.decode(replace(change(3), epoch=1)) == NO_BASE
+
+
+def test_a_snapshot_that_overtakes_changes_asks_for_nothing_more() -> None:
+    """On a slow link a snapshot (its own connection) can arrive beside, or
+    before, changes to versions it already holds: those changes are dropped as
+    stale, the snapshot is taken first, and no further snapshot is fetched."""
+    learner, transport = make_learner()
+    try:
+        decoder = GlobalDecoder(learner.plan, transport)
+        comm = CommThread(
+            transport, DeltaEncoder(Codec(), error_feedback=False), check=decoder.decode,
+            max_queued_bytes=2**30,
+        )  # fmt: skip
+        base = learner.plan.flatten(learner.params, 0)
+        codec = Codec("int8")
+        step = torch.full_like(base, 1e-3)
+        versions = [base]
+        for _ in range(3):
+            versions.append(apply_change(versions[-1], codec.decode(codec.encode(step), base.numel())))
+
+        def change(v: int) -> GlobalFragment:
+            return replace(
+                global_of(learner, 0, v, versions[v]), codec=codec, payload=codec.encode(step),
+                change_from=v - 1,
+            )  # fmt: skip
+
+        assert not isinstance(decoder.decode(global_of(learner, 0, 0, base)), str)
+        # Change 1 was lost (the snapshot was asked for); change 2 came by PUB
+        # beside the snapshot of version 2, then change 3.
+        transport.polled = [change(2), global_of(learner, 0, 2, versions[2]), change(3)]
+        comm._pump()
+        assert comm.globals_rejected == {} and transport.resynced == []
+        assert transport.accepted_versions == [2, 3]
+        [(p, stamp, flat)], _ = comm.take_globals()
+        assert (p, stamp) == (0, (0, 3)) and torch.equal(flat, versions[3])
+        # A change that comes after the snapshot it is older than: stale, nothing fetched.
+        assert decoder.decode(change(2)) == STALE and transport.resynced == []
+    finally:
+        learner.close()
 
 
 def test_a_global_that_does_not_make_the_version_it_names_is_refused() -> None:
