@@ -388,9 +388,10 @@ def test_a_snapshot_that_overtakes_changes_asks_for_nothing_more() -> None:
         base = learner.plan.flatten(learner.params, 0)
         codec = Codec("int8")
         step = torch.full_like(base, 1e-3)
+        sent = codec.decode(codec.encode(step), base.numel())
         versions = [base]
         for _ in range(3):
-            versions.append(apply_change(versions[-1], codec.decode(codec.encode(step), base.numel())))
+            versions.append(apply_change(versions[-1], sent))
 
         def change(v: int) -> GlobalFragment:
             return replace(
