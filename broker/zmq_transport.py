@@ -71,6 +71,7 @@ Parts = tuple[bytes, ...]
 _CANDIDATES_PER_FRAGMENT = 4  # globals held per fragment between two polls
 _RESYNC_FIRST_RETRY_S = 0.5  # then doubling: whole fragments must not pile up on a slow link
 _RESYNC_MAX_RETRY_S = 8.0
+_JOIN_MAX_RETRY_S = 2.0
 
 
 def pub_endpoint(endpoint: str) -> str:
@@ -362,9 +363,11 @@ class ZmqLearnerTransport(LearnerTransport):
             if now >= next_request:
                 self._request_snapshot(sorted(wanted - got.keys()))
                 next_request = now + retry_s
-                retry_s = min(retry_s * 2, _RESYNC_MAX_RETRY_S)
+                # At most 2 s apart: a syncer that starts after its learners is found soon.
+                retry_s = min(retry_s * 2, _JOIN_MAX_RETRY_S)
             self._drain(min(0.05, deadline - now))
             self._resend_due()
+            before = len(got)
             for p in wanted & self._ready.keys():
                 # Weights only: a change (broadcast meanwhile) needs a base the
                 # joiner does not have yet. Later changes stay for poll().
@@ -375,6 +378,10 @@ class ZmqLearnerTransport(LearnerTransport):
                         g for g in self._ready[p]
                         if g.is_change and candidate_order(g) > candidate_order(got[p])
                     ]  # fmt: skip
+            if len(got) > before:
+                # Answers are arriving: on a slow link the rest are on their way
+                # behind them, and asking again would send them twice.
+                next_request = max(next_request, time.monotonic() + retry_s)
         return got
 
     def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:

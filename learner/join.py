@@ -86,9 +86,12 @@ def join_snapshot(
                 f"no snapshot of fragments {sorted(set(wanted) - got.keys())} within "
                 f"{timeout_s}s: is the syncer running and reachable?"
             )
-        # A broker that does not answer yet (starting, restarting): ask again.
+        # A broker that does not answer yet (starting, restarting): ask again. One
+        # call waits for the whole join (the transport retries with backoff): a
+        # new call would ask at once for what may still be on a slow link.
         with contextlib.suppress(TransportError):
-            got.update(transport.snapshot([p for p in wanted if p not in got], timeout_s=2.0))
+            remaining_s = max(0.1, deadline - time.monotonic())
+            got.update(transport.snapshot([p for p in wanted if p not in got], remaining_s))
         if len(got) < len(wanted):
             time.sleep(0.2)  # the syncer has not published those fragments yet
     arrived = []
