@@ -44,6 +44,7 @@ from typing import Any
 from benchmarks.local_run import local_run
 from benchmarks.quality import SYSTEMS as QUALITY_SYSTEMS
 from benchmarks.quality import TINY
+from compose.reporter import read_jsonl
 
 SYSTEMS: dict[str, list[str]] = {
     "ddp": QUALITY_SYSTEMS["ddp"],
@@ -65,18 +66,12 @@ TARGETS = {"bytes_ratio_vs_ddp": 100.0, "eval_loss_gap": 0.01, "speedup_vs_ddp_a
 EVAL_EVERY_S = 3.0  # the evaluator's period: finer than the default, for the time curve
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def step_time(folder: Path, warmup: int) -> tuple[float, int]:
     """Seconds per step after ``warmup`` steps, averaged over the learners, and the
     fewest steps any learner's figure was taken over."""
     times, spans = [], []
     for path in sorted((folder / "learners").glob("*.jsonl")):
-        steps = [(e["step"], e["t"]) for e in _jsonl(path) if e["event"] == "step"]
+        steps = [(e["step"], e["t"]) for e in read_jsonl(path) if e["event"] == "step"]
         steps = [(s, t) for s, t in steps if s >= warmup]
         if len(steps) < 2:
             continue
@@ -120,8 +115,8 @@ def run_once(
         received = sum(v["rx_bytes"] for v in links.values())
         seconds_per_step, timed = step_time(folder, mode["warmup"])
         tokens_per_step = summary["tokens_total"] / summary["steps_per_learner"]
-        starts = [e["t"] for e in _jsonl(folder / "metrics.jsonl") if e["event"] == "start"]
-        evals = [e for e in _jsonl(folder / "evaluator.jsonl") if e["event"] == "eval"]
+        starts = [e["t"] for e in read_jsonl(folder / "metrics.jsonl") if e["event"] == "start"]
+        evals = [e for e in read_jsonl(folder / "evaluator.jsonl") if e["event"] == "eval"]
         return {
             "system": system,
             "rate_mbit": rate,

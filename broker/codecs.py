@@ -8,15 +8,15 @@ optimizer always run in fp32; only the wire is compressed.
 
 Layout of the quantised payload (before the lossless stage), little endian:
 ``scales (one per block: fp32, bf16 for int2) | codes`` where codes are int8
-(one per value),
-int4 (two per byte, low nibble first, stored as q + 8) or int2 (ternary: q in
-{-1, 0, 1}, four per byte, lowest bits first, stored as q + 2).
+(one per value), int4 (two per byte, low nibble first, stored as q + 8) or
+int2 (ternary: q in {-1, 0, 1}, four per byte, lowest bits first, stored as
+q + 2).
 
 Sparse (``int4+top0.03``): of each block of ``block_size`` values (4096 by
 default) only the ``ceil(density * block length)`` largest in magnitude go out,
 quantised by the block's largest. Layout: ``scales (one per block, as above) |
 indices (uint16, within the block, strictly increasing per block) | codes``
-(int8 or int4 as above, over the kept values in order). Everything else decodes
+(as above, over the kept values in order). Everything else decodes
 to zero; with error feedback (the learner's residual, the syncer's
 ``master - version``) what a message leaves out goes out later, as in SparseLoCo.
 """
@@ -182,10 +182,7 @@ class Codec:
 
     def kept(self, numel: int) -> int:
         """How many of ``numel`` values go out."""
-        full, last = divmod(numel, self.block_size)
-        return full * self.kept_per_block(self.block_size) + (
-            self.kept_per_block(last) if last else 0
-        )
+        return sum(count * self.kept_per_block(length) for _, count, length in self._blocks(numel))
 
     # -- encode / decode -------------------------------------------------
     def encode(self, x: torch.Tensor) -> bytes:
@@ -286,15 +283,15 @@ class Codec:
         bits = _BITS[self.quant]
         per_byte = 8 // bits
         packed = body[start // per_byte : (start + count + per_byte - 1) // per_byte]
-        pairs, high, more = scratch or [torch.empty(2 * packed.numel(), dtype=torch.int16)] * 3
-        if scratch is None:  # three distinct buffers
-            high, more = torch.empty_like(pairs), torch.empty_like(pairs)
+        pairs, high, more = scratch or [
+            torch.empty(2 * packed.numel(), dtype=torch.int16) for _ in range(3)
+        ]
         codes = _split(packed, 4, pairs, high)  # int4: the codes; int2: two codes each
         if bits == 2:
             codes = _split(codes, 2, high, more)
         out.copy_(codes[:count]).sub_(1 << (bits - 1))
 
-    def _sparse_blocks(self, numel: int) -> list[tuple[int, int, int]]:
+    def _blocks(self, numel: int) -> list[tuple[int, int, int]]:
         """(start, blocks, length) of the full blocks and of the last, partial one."""
         full, last = divmod(numel, self.block_size)
         parts = [(0, full, self.block_size)] if full else []
@@ -302,7 +299,7 @@ class Codec:
 
     def _quantise_sparse(self, flat: torch.Tensor) -> bytes:
         scales, indices, codes = [], [], []
-        for start, blocks, length in self._sparse_blocks(flat.numel()):
+        for start, blocks, length in self._blocks(flat.numel()):
             rows = flat[start : start + blocks * length].view(blocks, length)
             # The largest magnitudes, sent in index order (the canonical form the
             # decoder checks).
@@ -367,7 +364,7 @@ class Codec:
         self._unpacked(body, 0, kept, values)
         out.zero_()
         block, at = 0, 0
-        for start, count, length in self._sparse_blocks(numel):
+        for start, count, length in self._blocks(numel):
             k = self.kept_per_block(length)
             index = indices[at : at + count * k].to(torch.int64).view(count, k)
             # Untrusted: every index inside its block, strictly increasing, so no

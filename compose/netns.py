@@ -88,7 +88,7 @@ class LocalNetwork:
         _ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
         _ip("link", "set", host_end, "master", self.bridge, "up")
         _ip("link", "set", ns_end, "netns", ns)
-        _ip("-n", ns, "addr", "add", f"{self.prefix}.{i + 2}/24", "dev", ns_end)
+        _ip("-n", ns, "addr", "add", f"{self.address(learner)}/24", "dev", ns_end)
         _ip("-n", ns, "link", "set", ns_end, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
         _ip("-n", ns, "route", "add", "default", "via", self.host_address)
