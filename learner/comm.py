@@ -177,9 +177,18 @@ class CommThread(threading.Thread):
             self.transport.send_heartbeat(hb)
         arrived = self.transport.poll(0.01)
         self._force_next |= self.transport.refused_fragments()
-        # Whole weights (a snapshot) first: a change that arrived beside a newer
-        # snapshot is then stale to the decoder, and asks for no other snapshot.
-        for g in sorted(arrived, key=lambda g: (g.is_change, candidate_order(g))):
+        # Whole weights in this batch (a snapshot) supersede every change up to
+        # their version: those are skipped, and the weights go first, so a change
+        # that arrived beside a newer snapshot never asks for another one.
+        newest: dict[int, tuple[int, int]] = {}
+        for g in arrived:
+            if not g.is_change:
+                newest[g.fragment] = max(
+                    newest.get(g.fragment, (g.epoch, -1)), (g.epoch, g.version)
+                )
+        for g in sorted(arrived, key=lambda g: (*candidate_order(g), g.is_change)):
+            if g.is_change and g.fragment in newest and (g.epoch, g.version) <= newest[g.fragment]:
+                continue
             decoded = self.check(g)
             if decoded == STALE:
                 continue

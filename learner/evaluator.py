@@ -21,7 +21,7 @@ from broker.fragments import FragmentPlan, synced_parameters
 from broker.transport import LearnerTransport, TransportError
 from learner.config import EvaluatorConfig
 from learner.fragment_sync import FragmentSync
-from learner.join import STALE, GlobalDecoder, join_snapshot
+from learner.join import GlobalDecoder, join_snapshot
 from learner.workload import WorkloadContext, load_workload
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,6 @@ class Evaluator:
         """Apply the globals that arrived within ``timeout_s``."""
         for g in self.transport.poll(timeout_s):
             decoded = self.decoder.decode(g)
-            if decoded == STALE:
-                continue
             if isinstance(decoded, str):
                 log.warning("refused global %d v%d: %s", g.fragment, g.version, decoded)
                 continue

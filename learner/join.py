@@ -28,8 +28,8 @@ class GlobalDecoder:
     result is bit for bit the syncer's version). A change from any other
     version is refused as ``no_base``, and a global whose weights do not match
     the checksum it names as ``diverged``; either way the fragment's snapshot
-    is fetched. A change to a version no newer than the one held (an older
-    epoch is older) is ``stale``: a snapshot overtook it, and nothing is fetched.
+    is fetched. A change to a version no newer than the one held is ``stale``
+    (a snapshot overtook it) and fetches nothing.
     Callers hand every global they take to :meth:`decode`, in arrival order, and
     mark it accepted on the transport once decoded.
     """
@@ -47,7 +47,7 @@ class GlobalDecoder:
         if g.fragment >= plan.num_fragments or g.numel != plan.fragment_numel(g.fragment):
             return "bad_shape"
         held = self._held.get(g.fragment)
-        if g.is_change and held is not None and (g.epoch, g.version) <= held[0]:
+        if g.is_change and held is not None and held[0][0] == g.epoch and g.version <= held[0][1]:
             # Overtaken: a snapshot (on its own connection) brought a newer version
             # first. Nothing is missing, so nothing to fetch.
             return STALE
