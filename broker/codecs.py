@@ -242,22 +242,9 @@ class Codec:
         padded = torch.zeros(blocks * self.block_size, dtype=torch.float32)
         padded[:n] = flat
         padded = padded.view(blocks, self.block_size)
-        scale_bytes, codes = self._scaled_codes(padded)
-        return scale_bytes + self._packed(codes.reshape(-1)[:n])
-
-    def _scaled_codes(self, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        """The wire scales and int8 codes of ``values`` (one row per block)."""
-        scale_bytes, scales = self._wire_scales(values.abs().amax(dim=1) / _QMAX[self.quant])
-        codes = self._codes(values, scales)
-        if self.quant == "int2":
-            # Under the absmax scale, ternary codes send every value above half the
-            # largest as the largest. For the same codes, the mean magnitude of the
-            # values sent is the least-squares scale: a quarter less error, same bytes.
-            sent = codes.abs().float()
-            count = sent.sum(dim=1)
-            fitted = (values.abs() * sent).sum(dim=1) / count.clamp(min=1)
-            scale_bytes, _ = self._wire_scales(torch.where(count > 0, fitted, scales))
-        return scale_bytes, codes
+        scale_bytes, scales = self._wire_scales(padded.abs().amax(dim=1) / _QMAX[self.quant])
+        codes = self._codes(padded, scales).reshape(-1)[:n]
+        return scale_bytes + self._packed(codes)
 
     def _codes(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """int8 codes of ``values`` (one row per block) under the blocks' scales."""
@@ -319,10 +306,10 @@ class Codec:
             index = rows.abs().topk(self.kept_per_block(length), dim=1, sorted=False).indices
             index = index.sort(dim=1).values
             values = rows.gather(1, index)
-            scale_bytes, block_codes = self._scaled_codes(values)
+            scale_bytes, scale = self._wire_scales(values.abs().amax(dim=1) / _QMAX[self.quant])
             scales.append(scale_bytes)
             indices.append(index.reshape(-1))
-            codes.append(block_codes.reshape(-1))
+            codes.append(self._codes(values, scale).reshape(-1))
         if not scales:
             return b""
         return (
