@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias, cast
 
 import lz4.frame
-import numpy as np
 import torch
 import zstandard
 
@@ -237,34 +236,41 @@ class Codec:
             return flat.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
         if self.sparse:
             return self._quantise_sparse(flat)
-        n = flat.numel()
-        blocks = -(-n // self.block_size)
-        padded = torch.zeros(blocks * self.block_size, dtype=torch.float32)
-        padded[:n] = flat
-        padded = padded.view(blocks, self.block_size)
-        scale_bytes, scales = self._wire_scales(padded.abs().amax(dim=1) / _QMAX[self.quant])
-        codes = self._codes(padded, scales).reshape(-1)[:n]
-        return scale_bytes + self._packed(codes)
+        scales, codes = [], []
+        for start, blocks, length in self._blocks(flat.numel()):
+            rows = flat[start : start + blocks * length].view(blocks, length)
+            low, high = torch.aminmax(rows, dim=1)  # no |x| copy of the whole fragment
+            scale_bytes, scale = self._wire_scales(
+                torch.maximum(high, low.neg_()) / _QMAX[self.quant]
+            )
+            scales.append(scale_bytes)
+            codes.append(self._codes(rows, scale).view(-1))
+        if not scales:
+            return b""
+        return b"".join(scales) + self._packed(codes[0] if len(codes) == 1 else torch.cat(codes))
 
     def _codes(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """int8 codes of ``values`` (one row per block) under the blocks' scales."""
         qmax = _QMAX[self.quant]
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        return torch.round(values / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+        quotient = torch.div(values, safe[:, None])
+        return quotient.round_().clamp_(-qmax, qmax).to(torch.int8)
 
     def _packed(self, codes: torch.Tensor) -> bytes:
-        codes_np = codes.numpy()
         if self.quant == "int8":
-            return codes_np.tobytes()
+            return codes.numpy().tobytes()
         bits = _BITS[self.quant]
         per_byte, offset = 8 // bits, 1 << (bits - 1)  # the padding code is a zero
-        stored = (codes_np.astype(np.int16) + offset).astype(np.uint8)
-        stored = np.append(stored, np.full(-stored.size % per_byte, offset, np.uint8))
-        stored = stored.reshape(-1, per_byte)
-        packed = np.zeros(stored.shape[0], dtype=np.uint8)
-        for j in range(per_byte):
-            packed |= stored[:, j] << (bits * j)
-        return packed.tobytes()
+        count = codes.numel()
+        stored = torch.full((count + -count % per_byte,), offset, dtype=torch.int8)
+        torch.add(codes, offset, out=stored[:count])
+        # Read as little-endian words, code j of a byte is byte j of its word:
+        # shifting it right by j * (8 - bits) puts it at bits * j of byte 0.
+        words = stored.view(torch.int32 if per_byte == 4 else torch.int16)
+        packed = words.clone()
+        for j in range(1, per_byte):
+            packed |= words >> (j * (8 - bits))
+        return packed.view(torch.uint8)[::per_byte].numpy().tobytes()
 
     def _unpacked(
         self,
