@@ -184,9 +184,14 @@ class Codec:
         return sum(count * self.kept_per_block(length) for _, count, length in self._blocks(numel))
 
     # -- encode / decode -------------------------------------------------
-    def encode(self, x: torch.Tensor) -> bytes:
+    def encode(self, x: torch.Tensor, fit_scales: bool = False) -> bytes:
+        """``fit_scales``: send each block's least-squares scale for its codes
+        instead of the scale they were rounded under (the same codes and
+        bytes, less error). Rounded under the block's largest magnitude over
+        qmax, ternary codes send every value above half the largest as the
+        largest; the fitted scale sends those values' mean magnitude."""
         flat = x.detach().reshape(-1).to("cpu", torch.float32).contiguous()
-        raw = self._quantise(flat)
+        raw = self._quantise(flat, fit_scales)
         if self.lossless == "zstd":
             return zstandard.ZstdCompressor(level=3).compress(raw)
         if self.lossless == "lz4":
@@ -228,26 +233,45 @@ class Codec:
         except (zstandard.ZstdError, RuntimeError, ValueError) as e:
             raise CodecError(f"{self.name}: corrupt {self.lossless} stream: {e}") from None
 
-    def _quantise(self, flat: torch.Tensor) -> bytes:
+    def _quantise(self, flat: torch.Tensor, fit_scales: bool) -> bytes:
         if self.quant == "fp32":
             return flat.numpy().astype("<f4", copy=False).tobytes()
         if self.quant == "bf16":
             # torch rounds to nearest even; the bits are the top half of fp32.
             return flat.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
         if self.sparse:
-            return self._quantise_sparse(flat)
+            return self._quantise_sparse(flat, fit_scales)
         scales, codes = [], []
         for start, blocks, length in self._blocks(flat.numel()):
             rows = flat[start : start + blocks * length].view(blocks, length)
             low, high = torch.aminmax(rows, dim=1)  # no |x| copy of the whole fragment
-            scale_bytes, scale = self._wire_scales(
-                torch.maximum(high, low.neg_()) / _QMAX[self.quant]
+            scale_bytes, block_codes = self._scaled_codes(
+                rows, torch.maximum(high, low.neg_()), fit_scales
             )
             scales.append(scale_bytes)
-            codes.append(self._codes(rows, scale).view(-1))
+            codes.append(block_codes.view(-1))
         if not scales:
             return b""
         return b"".join(scales) + self._packed(codes[0] if len(codes) == 1 else torch.cat(codes))
+
+    def _scaled_codes(
+        self, values: torch.Tensor, absmax: torch.Tensor, fit_scales: bool
+    ) -> tuple[bytes, torch.Tensor]:
+        """The scales' bytes and the int8 codes of ``values`` (one row per block,
+        ``absmax`` each row's largest magnitude)."""
+        scale_bytes, scales = self._wire_scales(absmax / _QMAX[self.quant])
+        codes = self._codes(values, scales)
+        if fit_scales:
+            fitted = torch.empty_like(scales)
+            rows = max(1, _CHUNK_VALUES // values.shape[1])  # a chunk stays in the cache
+            for start in range(0, values.shape[0], rows):
+                part = slice(start, start + rows)
+                levels = codes[part].float()
+                energy = torch.linalg.vecdot(levels, levels)
+                dot = torch.linalg.vecdot(values[part], levels)
+                torch.where(energy > 0, dot / energy.clamp(min=1), scales[part], out=fitted[part])
+            scale_bytes, _ = self._wire_scales(fitted)
+        return scale_bytes, codes
 
     def _codes(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """int8 codes of ``values`` (one row per block) under the blocks' scales."""
@@ -303,7 +327,7 @@ class Codec:
         parts = [(0, full, self.block_size)] if full else []
         return parts + ([(full * self.block_size, 1, last)] if last else [])
 
-    def _quantise_sparse(self, flat: torch.Tensor) -> bytes:
+    def _quantise_sparse(self, flat: torch.Tensor, fit_scales: bool) -> bytes:
         scales, indices, codes = [], [], []
         for start, blocks, length in self._blocks(flat.numel()):
             rows = flat[start : start + blocks * length].view(blocks, length)
@@ -312,10 +336,12 @@ class Codec:
             index = rows.abs().topk(self.kept_per_block(length), dim=1, sorted=False).indices
             index = index.sort(dim=1).values
             values = rows.gather(1, index)
-            scale_bytes, scale = self._wire_scales(values.abs().amax(dim=1) / _QMAX[self.quant])
+            scale_bytes, block_codes = self._scaled_codes(
+                values, values.abs().amax(dim=1), fit_scales
+            )
             scales.append(scale_bytes)
             indices.append(index.reshape(-1))
-            codes.append(self._codes(values, scale).reshape(-1))
+            codes.append(block_codes.reshape(-1))
         if not scales:
             return b""
         return (

@@ -45,9 +45,7 @@ class RunSettings:
     steps: int = 300  # inner steps per learner
     heartbeat_timeout_s: float = 5.0  # a learner is live while heard from within this
     # learner -> syncer: fp32, bf16, int8, int4, int2 [+topDENSITY: sparse] [+zstd|+lz4] [@block]
-    # int4 up: ternary (int2) both ways sometimes diverged on a small model
-    # (benchmarks/README.md), where either alone did not
-    delta_codec: Codec = Codec("int4", "zstd")  # chosen by measurement: benchmarks/README.md
+    delta_codec: Codec = Codec("int2", "zstd")  # chosen by measurement: benchmarks/README.md
     # syncer -> learners, the same choices; lossy ones send each version as the
     # change from the one before (README: compressed downlink)
     global_codec: Codec = Codec("int2", "zstd")

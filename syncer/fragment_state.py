@@ -165,7 +165,11 @@ def canonical(
     weights; fp32 without a lossless stage as the master's own bytes.
     """
     if codec.sends_changes and previous is not None:
-        payload = codec.encode(master - previous)
+        # Learners train from the version, so its rounding error is corrected
+        # twice: by their deltas and by the next change. The least-squares scale
+        # keeps it small (ternary changes with absmax scales, both ways with
+        # ternary deltas, sometimes diverged; benchmarks/README.md).
+        payload = codec.encode(master - previous, fit_scales=True)
         version = apply_change(previous, codec.decode(payload, master.numel()))
         return version, Publication(payload, codec, True, weights_checksum(version))
     if codec.quant != "fp32" or codec.lossless == "none":

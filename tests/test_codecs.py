@@ -432,6 +432,21 @@ def test_int2_layout_by_hand() -> None:
     assert c.decode(data, 9).tolist() == [4, -4, 0, 4, 0, 0, -4, 0, 2]
 
 
+@pytest.mark.parametrize("spec", ["int2", "int4", "int8", "int2+top0.25@64"])
+def test_fitted_scales_keep_the_codes_and_are_least_squares(spec: str) -> None:
+    x = gaussian(64 * 500 + 7, seed=5)
+    c = Codec.parse(spec)
+    plain, fitted = c.encode(x), c.encode(x, fit_scales=True)
+    assert len(fitted) == len(plain) == c.quantised_size(x.numel())
+    y_plain, y = c.decode(plain, x.numel()), c.decode(fitted, x.numel())
+    assert torch.equal(torch.sign(y), torch.sign(y_plain))  # the same codes' signs and zeros
+    error = float(((y - x) ** 2).sum())
+    assert error < float(((y_plain - x) ** 2).sum())
+    # No other scale for these codes is closer (bf16/fp32 rounding aside).
+    for factor in (0.98, 1.02):
+        assert error < float(((y * factor - x) ** 2).sum())
+
+
 def test_sparse_int4_top_3_percent_is_a_tenth_of_dense_int8() -> None:
     n = 1 << 20
     assert Codec.parse("int4+top0.03").quantised_size(n) < Codec("int8").quantised_size(n) / 10

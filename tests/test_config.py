@@ -109,7 +109,7 @@ def test_services_agree_by_default() -> None:
     assert parse_url(run.url).backend == "zmq"
     assert run.sync_every % run.fragments == 0 and run.overlap < run.sync_every
     assert run.effective_quorum == default_quorum(run.learners) == 3
-    assert run.delta_codec == Codec.parse("int4+zstd")
+    assert run.delta_codec == Codec.parse("int2+zstd")
     assert run.global_codec == Codec.parse("int2+zstd")
     assert (OuterConfig().outer_lr, OuterConfig().outer_momentum) == (0.7, 0.9)
 

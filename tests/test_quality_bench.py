@@ -36,7 +36,7 @@ def test_a_stored_run_is_reused_only_with_the_same_settings(tmp_path: Path) -> N
     default apart (data parallel ignores DiLoCo's own settings)."""
     args = ["--mode", "decoupled", "--steps", "300", "--seed", "1"]
     settings = resolved_settings(args)
-    assert settings["steps"] == "300" and settings["delta_codec"] == "int4+zstd"
+    assert settings["steps"] == "300" and settings["delta_codec"] == "int2+zstd"
     assert resolved_settings([*args, "--delta-codec", "int4"]) != settings
     ddp = resolved_settings(["--mode", "ddp"])
     assert "delta_codec" not in ddp and "outer_lr" not in ddp and "sync_every" not in ddp
