@@ -2,7 +2,10 @@
 
 A codec turns a flat fp32 vector into bytes and back. Quantisation is
 blockwise absmax: each block of ``block_size`` values is scaled by its largest
-magnitude, so one outlier only costs precision inside its own block. An
+magnitude, so one outlier only costs precision inside its own block. Codes
+are rounded under that scale; an encoder may then send the least-squares
+scale for those codes instead (``fit_scales``; the syncer does for changes).
+A value decodes to its code times its block's scale either way. An
 optional lossless stage (zstd or lz4) follows. Accumulation and the outer
 optimizer always run in fp32; only the wire is compressed.
 

@@ -167,8 +167,8 @@ def canonical(
     if codec.sends_changes and previous is not None:
         # Learners train from the version, so its rounding error is corrected
         # twice: by their deltas and by the next change. The least-squares scale
-        # keeps it small (ternary changes with absmax scales, both ways with
-        # ternary deltas, sometimes diverged; benchmarks/README.md).
+        # keeps it small (with absmax scales, ternary changes together with
+        # ternary deltas sometimes diverged; benchmarks/README.md).
         payload = codec.encode(master - previous, fit_scales=True)
         version = apply_change(previous, codec.decode(payload, master.numel()))
         return version, Publication(payload, codec, True, weights_checksum(version))
