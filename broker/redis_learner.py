@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -385,7 +386,9 @@ class RedisLearnerTransport(LearnerTransport):
         snapshots = self._load_snapshots(list(range(self.num_fragments)))
         return [g for _, g in sorted(snapshots.items()) if self._is_new(g)]
 
-    def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
+    def snapshot(
+        self, fragments: list[int], timeout_s: float, held: Mapping[int, Any] | None = None
+    ) -> dict[int, GlobalFragment]:
         bad = [p for p in fragments if not 0 <= p < self.num_fragments]
         if bad:
             raise ValueError(f"fragments {bad} outside [0, {self.num_fragments})")

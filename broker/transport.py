@@ -37,6 +37,7 @@ from __future__ import annotations
 import abc
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,10 +133,18 @@ class LearnerTransport(abc.ABC):
         ones, in version order per fragment."""
 
     @abc.abstractmethod
-    def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
+    def snapshot(
+        self, fragments: list[int], timeout_s: float, held: Mapping[int, Any] | None = None
+    ) -> dict[int, GlobalFragment]:
         """The latest global of each fragment that exists, for joining or rejoining,
         whatever version was accepted before. Fragments nobody has published yet
-        are missing from the result."""
+        are missing from the result.
+
+        ``held``: flat fp32 weights the caller holds, by fragment. A fragment
+        whose latest version is exactly those weights may be answered without
+        them and completed from ``held`` (:meth:`GlobalFragment.with_weights`):
+        ZeroMQ does, so a learner that starts from the run's initial model
+        joins without downloading it; Redis reads the snapshot keys whole."""
 
     @abc.abstractmethod
     def resync(self, fragment: int) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 import struct
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import msgpack
@@ -129,6 +129,7 @@ _CHECKS = {
     "seqs": _check_uint_list,
     "reason": _check_reason,
     "fragments": _check_uint_list,
+    "held_crcs": _check_uint_list,
     "holder": _check_id,
     "held_slot": _check_slot,
     "slot": _check_uint,
@@ -245,6 +246,22 @@ class GlobalFragment(_TensorMessage):
     def is_change(self) -> bool:
         return self.change_from >= 0
 
+    @property
+    def is_weightless(self) -> bool:
+        """A snapshot answer without its weights: the asker said it holds them
+        (``SnapshotRequest.held_crcs``)."""
+        return self.numel == 0 and not self.is_change
+
+    def without_weights(self) -> GlobalFragment:
+        """This version's answer to a learner that holds its weights."""
+        return replace(self, codec=Codec(), numel=0, payload=b"", change_from=-1)
+
+    def with_weights(self, weights: torch.Tensor) -> GlobalFragment:
+        """A weightless answer completed with the weights the learner holds: the
+        learner checks them against ``weights_crc`` like any snapshot."""
+        flat = weights.detach().reshape(-1).to(torch.float32)
+        return replace(self, codec=Codec(), numel=flat.numel(), payload=Codec().encode(flat))
+
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
@@ -271,12 +288,25 @@ class Ack(Message):
 
 @dataclass(frozen=True)
 class SnapshotRequest(Message):
-    """Learner -> syncer: send the latest global of these fragments (empty: all)."""
+    """Learner -> syncer: send the latest global of these fragments (empty: all).
+
+    ``held_crcs``, if given, lists per fragment asked for the CRC-32 of the
+    weights the learner already holds (``weights_checksum``): a fragment whose
+    latest version has that checksum is answered with its global less the
+    weights (``numel`` 0), and the learner uses its own. A learner that starts
+    from the run's initial model so joins without downloading it.
+    """
 
     KIND: ClassVar[str] = "snapshot_request"
     run_id: str = ""
     learner_id: str = ""
     fragments: list[int] = field(default_factory=list)
+    held_crcs: list[int] = field(default_factory=list)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.held_crcs and len(self.held_crcs) != len(self.fragments):
+            raise WireError("bad_field", "held_crcs must be empty or one per fragment")
 
 
 @dataclass(frozen=True)

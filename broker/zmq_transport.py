@@ -30,7 +30,9 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -194,6 +196,9 @@ class ZmqLearnerTransport(LearnerTransport):
         # Fragments to resync: (when to ask again, the retry interval after that).
         self._awaiting: dict[int, tuple[float, float]] = {}
         self._grants: dict[str, int] = {}  # holder -> slot, from the syncer's last answer
+        # While snapshot() runs: the weights the caller holds, and their checksums.
+        self._held: Mapping[int, Any] = {}
+        self._held_crcs: dict[int, int] = {}
 
     def _owner(self, fragment: int) -> int:
         return fragment % len(self._dealers)
@@ -238,7 +243,13 @@ class ZmqLearnerTransport(LearnerTransport):
         for p in fragments:
             by_owner[self._owner(p)].append(p)
         for owner, owned in by_owner.items():
-            req = SnapshotRequest(run_id=self.run_id, learner_id=self.learner_id, fragments=owned)
+            held = [self._held_crcs[p] for p in owned if p in self._held_crcs]
+            req = SnapshotRequest(
+                run_id=self.run_id,
+                learner_id=self.learner_id,
+                fragments=owned,
+                held_crcs=held if len(held) == len(owned) else [],
+            )
             frame = wire.encode(req)
             try:
                 self._dealers[owner].send(frame, zmq.NOBLOCK)
@@ -320,6 +331,12 @@ class ZmqLearnerTransport(LearnerTransport):
                 frames = parts if sock in self._dealers else parts[1:]  # past the topic
                 msg = _decode(frames, self.max_message_bytes, self.stats)
                 if isinstance(msg, GlobalFragment):
+                    if msg.is_weightless:
+                        # Only ever an answer to our snapshot() naming these weights;
+                        # one that comes after snapshot() returned is a duplicate.
+                        if sock not in self._dealers or msg.fragment not in self._held:
+                            continue
+                        msg = msg.with_weights(self._held[msg.fragment])
                     if sock in self._dealers:  # a snapshot answer: the resync is done
                         self._awaiting.pop(msg.fragment, None)
                     self._handle_global(msg)
@@ -346,7 +363,17 @@ class ZmqLearnerTransport(LearnerTransport):
         self._ready.clear()
         return ready
 
-    def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
+    def snapshot(
+        self, fragments: list[int], timeout_s: float, held: Mapping[int, Any] | None = None
+    ) -> dict[int, GlobalFragment]:
+        self._held = {p: w for p, w in (held or {}).items() if p in fragments}
+        self._held_crcs = {p: wire.weights_checksum(w) for p, w in self._held.items()}
+        try:
+            return self._snapshot(fragments, timeout_s)
+        finally:
+            self._held, self._held_crcs = {}, {}
+
+    def _snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
         wanted = set(fragments)
         got: dict[int, GlobalFragment] = {}
         deadline = time.monotonic() + timeout_s
@@ -447,6 +474,9 @@ class ZmqSyncerTransport(SyncerTransport):
         self._pub.setsockopt(zmq.SNDHWM, send_hwm)
         self._pub.bind(pub_endpoint(bind))
         self._latest: dict[int, Parts] = {}  # encoded newest global per fragment
+        # Per fragment: the newest version's weights checksum, and its answer to
+        # a learner that holds those weights.
+        self._latest_weightless: dict[int, tuple[int, Parts]] = {}
         self._leases: dict[int, tuple[str, float]] = {}  # slot -> (holder, expiry)
         self._started = time.monotonic()
         # When each (peer, fragment) was last answered: a snapshot is a whole
@@ -507,13 +537,15 @@ class ZmqSyncerTransport(SyncerTransport):
             self._answered = {
                 k: t for k, t in self._answered.items() if now - t < self.snapshot_interval_s
             }
+        held = dict(zip(req.fragments, req.held_crcs, strict=False))
         for p in sorted(asked & self._latest.keys()):
             last = self._answered.get((identity, p))
             if last is not None and now - last < self.snapshot_interval_s:
                 self.stats.rate_limited += 1
                 continue
             self._answered[(identity, p)] = now
-            self._send_to(identity, self._latest[p])
+            crc, weightless = self._latest_weightless[p]
+            self._send_to(identity, weightless if held.get(p) == crc else self._latest[p])
 
     def _answer_lease(self, identity: bytes, req: LeaseRequest) -> None:
         """The rule of ``LearnerTransport.lease``, by this process's clock."""
@@ -572,6 +604,8 @@ class ZmqSyncerTransport(SyncerTransport):
         self._latest[fragment.fragment] = (
             parts if snapshot is None else wire.encode_parts(snapshot, self.max_message_bytes)
         )
+        weightless = wire.encode_parts(fragment.without_weights(), self.max_message_bytes)
+        self._latest_weightless[fragment.fragment] = (fragment.weights_crc, weightless)
         try:
             _send(self._pub, (GLOBALS_TOPIC, *parts))
         except zmq.Again:

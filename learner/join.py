@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -73,9 +74,14 @@ class GlobalDecoder:
 
 
 def join_snapshot(
-    transport: LearnerTransport, decoder: GlobalDecoder, timeout_s: float
+    transport: LearnerTransport,
+    decoder: GlobalDecoder,
+    timeout_s: float,
+    held: Mapping[int, torch.Tensor] | None = None,
 ) -> list[tuple[int, Stamp, torch.Tensor]]:
-    """Every fragment of the current global model, for joining or rejoining."""
+    """Every fragment of the current global model, for joining or rejoining.
+    ``held``: the joiner's own weights by fragment; those that are already the
+    current version need not come over the network (see ``LearnerTransport.snapshot``)."""
     plan = decoder.plan
     deadline = time.monotonic() + timeout_s
     wanted = list(range(plan.num_fragments))
@@ -91,7 +97,9 @@ def join_snapshot(
         # new call would ask at once for what may still be on a slow link.
         with contextlib.suppress(TransportError):
             remaining_s = max(0.1, deadline - time.monotonic())
-            got.update(transport.snapshot([p for p in wanted if p not in got], remaining_s))
+            got.update(
+                transport.snapshot([p for p in wanted if p not in got], remaining_s, held)
+            )
         if len(got) < len(wanted):
             time.sleep(0.2)  # the syncer has not published those fragments yet
     arrived = []

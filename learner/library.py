@@ -172,7 +172,10 @@ class DecoupledDiLoCo:
         arrived: list[tuple[int, Stamp, torch.Tensor]] = []
         decoder = GlobalDecoder(self.plan, self.transport)
         if self.transport is not None:
-            arrived = join_snapshot(self.transport, decoder, self.process.join_timeout_s)
+            # Weights that are already the current version (a learner starting
+            # from the run's initial model) need not be downloaded.
+            held = {p: self.plan.flatten(self.params, p) for p in range(self.plan.num_fragments)}
+            arrived = join_snapshot(self.transport, decoder, self.process.join_timeout_s, held)
         for p, stamp, flat in self.group.share_globals(arrived, self.plan):
             if self.load_global:
                 self._apply(p, stamp, flat, mix_alpha=0.0)

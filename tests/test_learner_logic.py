@@ -193,7 +193,9 @@ class InMemoryTransport(LearnerTransport):
     def resync(self, fragment: int) -> None:
         self.resynced.append(fragment)
 
-    def snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
+    def snapshot(
+        self, fragments: list[int], timeout_s: float, held: object = None
+    ) -> dict[int, GlobalFragment]:
         return {p: self.latest[p] for p in fragments if p in self.latest}
 
     @property

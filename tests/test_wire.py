@@ -94,6 +94,7 @@ def messages() -> list[Message]:
         Refusal(run_id="r", learner_id="l", incarnation=1, seq=4, fragment=1, reason="stale"),
         GlobalFragment(codec="int8", numel=VALUES.numel(), payload=Codec("int8").encode(VALUES),
                        run_id="r", fragment=1, plan_hash=HASH, version=7, change_from=6),
+        SnapshotRequest(run_id="r", learner_id="l", fragments=[0, 2], held_crcs=[7, 2**32 - 1]),
     ]
 
 
@@ -315,6 +316,9 @@ def test_bad_delta_fields(field: str, value: Any) -> None:
         (7, "seqs", list(range(wire.MAX_LIST_LEN + 1))),
         (9, "fragments", [0.5]),
         (9, "fragments", {"0": 1}),
+        (9, "held_crcs", [1]),  # one checksum per fragment asked for, or none
+        (9, "held_crcs", [1, -1]),
+        (9, "held_crcs", [1, 2, 3]),
         (4, "version", 2**63),
     ],
 )
