@@ -112,6 +112,25 @@ if #entries == 0 then return false end
 return entries[1][1]
 """
 
+# The latest global of each fragment, or, for a fragment whose current weights
+# the reader holds, that global without them (SnapshotRequest.held_crcs).
+# KEYS: n model keys, then the n weightless keys; ARGV: per fragment, the
+# checksum the reader holds in decimal, or '' for none.
+SNAPSHOTS_UNLESS_HELD = """
+local n = #KEYS / 2
+local out = {}
+for i = 1, n do
+    local answer = false
+    if ARGV[i] ~= '' then
+        local held = redis.call('HMGET', KEYS[n + i], 'crc', 'frame')
+        if held[1] == ARGV[i] then answer = held[2] end
+    end
+    if not answer then answer = redis.call('GET', KEYS[i]) end
+    out[i] = answer
+end
+return out
+"""
+
 # Take or renew a learner slot, by the server's clock (see LearnerTransport.lease).
 # KEYS[1]: the leases hash; ARGV: holder, ttl in ms, the slot the holder
 # believes it holds (-1: none), the number of slots. Returns the slot, or -1
@@ -193,6 +212,12 @@ def globals_stream_key(run_id: str) -> str:
 
 def model_key(run_id: str, fragment: int) -> str:
     return f"ddiloco:{run_id}:model:{fragment}"
+
+
+def weightless_key(run_id: str, fragment: int) -> str:
+    """Hash: ``crc``, the latest version's weights checksum, and ``frame``, its
+    global without the weights, for joiners that hold them."""
+    return f"ddiloco:{run_id}:weightless:{fragment}"
 
 
 def learners_key(run_id: str) -> str:

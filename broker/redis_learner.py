@@ -28,6 +28,7 @@ from broker.redis_common import (
     GROUP,
     LEASE_SLOT,
     PART_FIELDS,
+    SNAPSHOTS_UNLESS_HELD,
     STREAM_END_ID,
     Entries,
     Reconnect,
@@ -48,6 +49,7 @@ from broker.redis_common import (
     sleep_tail,
     to_str,
     trimmed_key,
+    weightless_key,
 )
 from broker.transport import (
     MAX_LEARNER_SLOTS,
@@ -57,7 +59,7 @@ from broker.transport import (
     candidate_order,
     lease_request_ok,
 )
-from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
+from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal, weights_checksum
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,7 @@ class RedisLearnerTransport(LearnerTransport):
         self._max_block_s = socket_timeout_s / 2
         self._client = connect(url, socket_timeout_s)
         self._stream_end_id = self._client.register_script(STREAM_END_ID)
+        self._snapshots_unless_held = self._client.register_script(SNAPSHOTS_UNLESS_HELD)
         self._lease_slot = self._client.register_script(LEASE_SLOT)
         self._bounded_xadd = self._client.register_script(BOUNDED_XADD)
         self._reconnect = Reconnect(f"learner {learner_id}")
@@ -364,18 +367,37 @@ class RedisLearnerTransport(LearnerTransport):
             found[p] = msg
         return found
 
-    def _load_snapshots(self, fragments: list[int]) -> dict[int, GlobalFragment]:
-        """Read the snapshot keys and the globals stream's last id atomically.
+    def _load_snapshots(
+        self, fragments: list[int], held: Mapping[int, Any] | None = None
+    ) -> dict[int, GlobalFragment]:
+        """Read the snapshot keys and the globals stream's last id atomically;
+        a fragment whose current weights are ``held`` is read without them.
 
         Moves the read position to that id when there was none or when every
         fragment was loaded: nothing published after the read is skipped, and
         entries before it carry versions the snapshot already covers.
         """
+        held = held or {}
         pipe = self._client.pipeline(transaction=True)
         self._stream_end_id(keys=[self._globals], args=["last"], client=pipe)
-        pipe.mget([model_key(self.run_id, p) for p in fragments])
+        if held:
+            self._snapshots_unless_held(
+                keys=[model_key(self.run_id, p) for p in fragments]
+                + [weightless_key(self.run_id, p) for p in fragments],
+                args=[str(weights_checksum(held[p])) if p in held else "" for p in fragments],
+                client=pipe,
+            )
+        else:
+            pipe.mget([model_key(self.run_id, p) for p in fragments])
         last_id, frames = pipe.execute()
         found = self._get_models(fragments, frames)
+        for p, g in list(found.items()):
+            if g.is_weightless:
+                if p in held:
+                    found[p] = g.with_weights(held[p])
+                else:
+                    del found[p]
+                    self.stats.rejected["weightless"] += 1
         if self._position is None or set(fragments) >= set(range(self.num_fragments)):
             self._position = to_str(last_id) if last_id is not None else "0-0"
         for p in fragments:
@@ -396,7 +418,7 @@ class RedisLearnerTransport(LearnerTransport):
         while True:
             time.sleep(min(max(0.0, deadline - time.monotonic()), self._reconnect.wait_s()))
             try:
-                found = self._load_snapshots(list(fragments))
+                found = self._load_snapshots(list(fragments), held)
             except Exception as e:
                 if not is_transient(e):
                     raise

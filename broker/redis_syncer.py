@@ -45,6 +45,7 @@ from broker.redis_common import (
     sleep_tail,
     to_str,
     trimmed_key,
+    weightless_key,
 )
 from broker.transport import Inbound, SyncerTransport, TransportStats
 from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
@@ -120,7 +121,8 @@ class RedisSyncerTransport(SyncerTransport):
         self._next_heartbeat_read_at = 0.0
         self._trim_waiting: set[str] = set()
         self._next_trim_at: dict[str, float] = {}
-        self._unpublished: dict[int, tuple[bytes, bytes]] = {}  # (to stream, snapshot)
+        # (to the stream, to the snapshot key, the version), by fragment
+        self._unpublished: dict[int, tuple[bytes, bytes, GlobalFragment]] = {}
         self._next_trimmed_check_at = 0.0
         try:
             self._ensure_groups()
@@ -498,15 +500,20 @@ class RedisSyncerTransport(SyncerTransport):
             raise ValueError(f"global of run {fragment.run_id!r} published on run {self.run_id!r}")
         frame = encode_bounded(fragment, self.max_message_bytes)
         whole = frame if snapshot is None else encode_bounded(snapshot, self.max_message_bytes)
-        self._unpublished[fragment.fragment] = (frame, whole)
+        self._unpublished[fragment.fragment] = (frame, whole, fragment)
         self._attempt(self._publish_queued)
 
     def _publish_queued(self) -> None:
         if not self._unpublished:
             return
         pipe = self._client.pipeline(transaction=True)
-        for p, (frame, whole) in self._unpublished.items():
+        for p, (frame, whole, version) in self._unpublished.items():
             pipe.set(model_key(self.run_id, p), whole)
+            weightless = encode_bounded(version.without_weights(), self.max_message_bytes)
+            pipe.hset(
+                weightless_key(self.run_id, p),
+                mapping={"crc": str(version.weights_crc), "frame": weightless},
+            )
             pipe.xadd(
                 globals_stream_key(self.run_id),
                 {FIELD: frame},
@@ -514,7 +521,7 @@ class RedisSyncerTransport(SyncerTransport):
                 approximate=False,
             )
         pipe.execute()
-        for frame, whole in self._unpublished.values():
+        for frame, whole, _ in self._unpublished.values():
             self.stats.bytes_sent += len(frame) + len(whole)  # XADD and SET
             self.stats.messages_sent += 1
         self._unpublished.clear()

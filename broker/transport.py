@@ -142,9 +142,9 @@ class LearnerTransport(abc.ABC):
 
         ``held``: flat fp32 weights the caller holds, by fragment. A fragment
         whose latest version is exactly those weights may be answered without
-        them and completed from ``held`` (:meth:`GlobalFragment.with_weights`):
-        ZeroMQ does, so a learner that starts from the run's initial model
-        joins without downloading it; Redis reads the snapshot keys whole."""
+        them and completed from ``held`` (:meth:`GlobalFragment.with_weights`),
+        so a learner that starts from the run's initial model joins without
+        downloading it."""
 
     @abc.abstractmethod
     def resync(self, fragment: int) -> None:

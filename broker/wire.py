@@ -293,7 +293,8 @@ class SnapshotRequest(Message):
     ``held_crcs``, if given, lists per fragment asked for the CRC-32 of the
     weights the learner already holds (``weights_checksum``): a fragment whose
     latest version has that checksum is answered with its global less the
-    weights (``numel`` 0), and the learner uses its own. A learner that starts
+    weights (``numel`` 0), and the learner uses its own (Redis keeps these
+    answers in ``weightless`` keys). A learner that starts
     from the run's initial model so joins without downloading it.
     """
 

@@ -26,6 +26,7 @@ import pytest
 import redis
 import torch
 
+from broker.codecs import Codec
 from broker.redis_common import (
     FIELD,
     GROUP,
@@ -38,7 +39,15 @@ from broker.redis_common import (
 from broker.redis_learner import RedisLearnerTransport
 from broker.redis_syncer import RedisSyncerTransport
 from broker.transport import Backpressure, Inbound, TransportError, TransportStats
-from broker.wire import Delta, GlobalFragment, Heartbeat, decode_parts, encode, encode_parts
+from broker.wire import (
+    Delta,
+    GlobalFragment,
+    Heartbeat,
+    decode_parts,
+    encode,
+    encode_parts,
+    weights_checksum,
+)
 from tests.servers import RedisServer, take_globals, wait_until
 
 pytestmark = pytest.mark.integration
@@ -481,6 +490,45 @@ def test_late_joiner_snapshot_then_poll_gets_exactly_the_later_versions(
     assert versions_of(poll_until(fresh, 1)) == [(2, 5)]
     for t in (joiner, fresh, syncer):
         t.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_joiner_holding_the_current_weights_does_not_read_them(
+    redis_server: RedisServer,
+) -> None:
+    """A learner that starts from the run's initial model downloaded it whole at
+    every join (the ZeroMQ twin is in test_zmq_transport.py)."""
+    url = redis_server.url
+    n = 100_000
+    weights = {p: torch.randn(n, generator=torch.Generator().manual_seed(p)) for p in (0, 1)}
+
+    def version(p: int, v: int, payload: torch.Tensor, change_from: int = -1) -> GlobalFragment:
+        return GlobalFragment(
+            run_id=RUN, fragment=p, plan_hash=PLAN_HASH, version=v, sent_at=time.time(),
+            weights_crc=weights_checksum(weights[p]), codec="fp32", numel=n,
+            payload=Codec().encode(payload), change_from=change_from,
+        )  # fmt: skip
+
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1])
+    syncer.publish(version(0, 5, torch.zeros(n), 4), snapshot=version(0, 5, weights[0]))
+    syncer.publish(version(1, 3, weights[1]))
+    joiner = RedisLearnerTransport(url, RUN, "joiner", 0, num_fragments=2)
+    server = redis.Redis.from_url(url)
+    before = server.info("stats")["total_net_output_bytes"]
+    # It holds fragment 0's current weights, and other weights of fragment 1.
+    snap = joiner.snapshot([0, 1], timeout_s=5, held={0: weights[0].clone(), 1: weights[1] + 1})
+    sent = server.info("stats")["total_net_output_bytes"] - before
+    assert {p: (g.version, g.is_change) for p, g in snap.items()} == {0: (5, False), 1: (3, False)}
+    for p in (0, 1):
+        assert torch.equal(snap[p].tensor(), weights[p])
+        assert weights_checksum(snap[p].tensor()) == snap[p].weights_crc
+    assert 4 * n < sent < 4 * n + 10_000  # fragment 1's weights, not fragment 0's
+    # Without held weights, both come whole.
+    assert torch.equal(joiner.snapshot([0], timeout_s=5)[0].tensor(), weights[0])
+    assert joiner.stats.rejected == Counter()
+    for t in (joiner, syncer):
+        t.close()
+    server.close()
 
 
 @pytest.mark.timeout(60)
