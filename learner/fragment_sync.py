@@ -19,10 +19,22 @@ Stamp = tuple[int, int]  # (syncer epoch, version) of a global
 
 
 class FragmentSync:
-    def __init__(self, plan: FragmentPlan, overlap: int, flush_before_overwrite: bool) -> None:
+    def __init__(
+        self,
+        plan: FragmentPlan,
+        overlap: int,
+        flush_before_overwrite: bool,
+        keep_unsent: bool = False,
+    ) -> None:
         self.plan = plan
         self.overlap = overlap
         self.flush_before_overwrite = flush_before_overwrite
+        self.keep_unsent = keep_unsent
+        # Per fragment: the weights up to which progress has been sent (the
+        # base, if nothing was sent since), and the steps and tokens since.
+        self.sent_point: dict[int, torch.Tensor] = {}
+        self.unsent_steps = [0] * plan.num_fragments
+        self.unsent_tokens = [0] * plan.num_fragments
         self.base: dict[int, torch.Tensor] = {}  # the global each fragment started from
         self.base_version: dict[int, int] = {}
         self.base_epoch: dict[int, int] = {}  # the syncer lineage base_version belongs to
@@ -35,6 +47,8 @@ class FragmentSync:
         for p in range(self.plan.num_fragments):
             self.c_steps[p] += 1
             self.c_tokens[p] += tokens
+            self.unsent_steps[p] += 1
+            self.unsent_tokens[p] += tokens
 
     def has_progress(self, p: int) -> bool:
         return self.c_steps[p] > 0 and p in self.base
@@ -43,8 +57,13 @@ class FragmentSync:
         """The pseudo-gradient Theta_p(base) - theta_p, flat fp32 on the CPU."""
         return self.base[p] - self.plan.flatten(params, p)
 
-    def sent(self, p: int, step: int) -> None:
+    def send(self, p: int, step: int, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The delta to send now; the progress in it counts as sent."""
+        weights = self.plan.flatten(params, p)
         self.last_sent_step[p] = step
+        self.sent_point[p] = weights
+        self.unsent_steps[p] = self.unsent_tokens[p] = 0
+        return self.base[p] - weights
 
     def versions(self) -> list[int]:
         """Each fragment's base version (-1: none yet), for progress reports."""
@@ -78,8 +97,15 @@ class FragmentSync:
         mix_alpha: float = 0.0,
     ) -> None:
         """Overwrite (or mix into) the fragment's parameters; it becomes the new base."""
+        carried_steps = carried_tokens = 0
+        landed = flat
+        if self.keep_unsent and p in self.sent_point:
+            # The global lands under the progress not sent yet, which the next
+            # delta (measured from the global) then carries to the syncer.
+            landed = flat + (self.plan.flatten(params, p) - self.sent_point[p])
+            carried_steps, carried_tokens = self.unsent_steps[p], self.unsent_tokens[p]
         with torch.no_grad():
-            for name, tensor in self.plan.unflatten(flat, p).items():
+            for name, tensor in self.plan.unflatten(landed, p).items():
                 param = params[name]
                 if mix_alpha:
                     param.mul_(mix_alpha).add_(tensor.to(param.dtype), alpha=1 - mix_alpha)
@@ -87,5 +113,6 @@ class FragmentSync:
                     param.copy_(tensor)
         self.base[p] = flat.clone()
         self.base_epoch[p], self.base_version[p] = stamp
-        self.c_steps[p] = 0
-        self.c_tokens[p] = 0
+        self.sent_point[p] = self.base[p]
+        self.c_steps[p] = self.unsent_steps[p] = carried_steps
+        self.c_tokens[p] = self.unsent_tokens[p] = carried_tokens

@@ -123,7 +123,10 @@ class DecoupledDiLoCo:
         self.params = synced_parameters(model)
         self.plan = FragmentPlan.for_model(model, self.run.fragments, self.run.sync_every)
         self.fragments = FragmentSync(
-            self.plan, self.run.overlap, self.sync_cfg.flush_before_overwrite
+            self.plan,
+            self.run.overlap,
+            self.sync_cfg.flush_before_overwrite,
+            self.sync_cfg.keep_unsent,
         )
         # Every rank of a group resumes from what rank 0 saved; rank 0 alone writes.
         self.progress = ProgressFile(state_dir, learner_id)
@@ -298,7 +301,6 @@ class DecoupledDiLoCo:
         if not self.fragments.has_progress(p) or not self.group.leader or self.comm is None:
             return
         self.seq += 1
-        self.fragments.sent(p, step)
         meta = Delta(
             run_id=self.run.run_id,
             learner_id=self.learner_id,
@@ -313,7 +315,7 @@ class DecoupledDiLoCo:
             c_tokens=self.fragments.c_tokens[p],
             sent_at=time.time(),
         )
-        self.comm.send_delta(OutgoingDelta(self.fragments.delta(p, self.params), meta))
+        self.comm.send_delta(OutgoingDelta(self.fragments.send(p, step, self.params), meta))
         self.metrics.deltas_sent.inc()
 
     def _wait_for_new_global(self, p: int, timeout_s: float = 60.0) -> None:

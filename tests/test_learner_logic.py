@@ -103,8 +103,44 @@ def test_flush_before_overwrite(
     for _ in range(trained):
         sync.trained(1)
     if sent_at is not None:
-        sync.sent(0, sent_at)
+        sync.send(0, sent_at, p)
     assert sync.must_flush(0, step=trained) is expected
+
+
+@pytest.mark.parametrize("keep_unsent", [True, False])
+def test_a_global_lands_under_the_progress_not_sent_yet(keep_unsent: bool) -> None:
+    """Overwriting the fragment erased the steps trained since its last send: with
+    4 learners, a tenth of all tokens trained never reached the global model."""
+    sync = FragmentSync(PLAN, overlap=2, flush_before_overwrite=True, keep_unsent=keep_unsent)
+    p = params()
+    f = PLAN.owner[0]  # the fragment of "a"
+    start = PLAN.flatten(p, f).clone()
+    sync.apply(f, (0, 0), start, p)
+    sync.trained(10)
+    p["a"] += 1.0  # three steps' progress, sent
+    sent = sync.send(f, step=3, params=p)
+    sync.trained(10)
+    p["a"] += 0.25  # a step more, not sent yet
+    sync.trained(10)
+    glob = torch.full_like(start, 5.0)
+    sync.apply(f, (0, 1), glob, p)
+    unsent = PLAN.flatten(p, f) - glob
+    names = [s.name for s in PLAN.fragment_specs(f)]
+    expected = torch.cat([torch.full((4,), 0.25) if n == "a" else torch.zeros(6) for n in names])
+    assert torch.equal(sent, -expected * 4)
+    assert torch.equal(sync.base[f], glob)  # deltas are measured from the global
+    if keep_unsent:
+        assert torch.equal(unsent, expected)
+        # The next delta carries the kept progress, and counts its steps and tokens.
+        assert torch.equal(sync.delta(f, p), -expected)
+        assert (sync.c_steps[f], sync.c_tokens[f]) == (2, 20)
+        # Sent, it is not kept again under the next global.
+        sync.send(f, step=6, params=p)
+        sync.apply(f, (0, 2), glob + 1, p)
+        assert torch.equal(PLAN.flatten(p, f), glob + 1)
+    else:
+        assert torch.equal(unsent, torch.zeros_like(unsent))
+        assert (sync.c_steps[f], sync.c_tokens[f]) == (0, 0)
 
 
 # -- error feedback ----------------------------------------------------------------------
