@@ -20,7 +20,10 @@ import torch.nn as nn
 
 from learner.library import DecoupledDiLoCo, load_global_model, local_syncer
 
-SETTINGS = dict(fragments=2, sync_every=8, learners=2)  # the same for syncer and learners
+# The same for syncer and learners. This toy trains its steps faster than a
+# round trip to the syncer, and one learner may finish before the other has
+# joined: rounds of one delta (quorum 1, not the default 2 of 2) let it sync.
+SETTINGS = dict(fragments=2, sync_every=8, learners=2, quorum=1)
 TRUE_MAP = torch.randn(16, 4, generator=torch.Generator().manual_seed(0)) / 4
 
 

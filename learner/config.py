@@ -63,7 +63,7 @@ class SyncConfig:
 
     error_feedback: bool = True  # carry what the codec dropped into the next delta
     flush_before_overwrite: bool = True  # send unsynced progress before a global replaces it
-    keep_unsent: bool = False  # a global lands under the progress not sent yet
+    keep_unsent: bool = True  # a global lands under the progress not sent yet
     mix_alpha: float = 0.0  # 0: overwrite with the global; else alpha*local + (1-alpha)*global
     finish_timeout_s: float = 10.0  # at the end, wait this long for the last deltas' acks
     sync_pause_every: int = 0  # measurement aid: sync pauses in the 2nd half of every 2N steps

@@ -39,7 +39,9 @@ class Evaluator:
         self.model = workload.model
         self.plan = FragmentPlan.for_model(self.model, cfg.run.fragments, cfg.run.sync_every)
         self.params = synced_parameters(self.model)
-        self.fragments = FragmentSync(self.plan, cfg.run.overlap, flush_before_overwrite=False)
+        self.fragments = FragmentSync(
+            self.plan, cfg.run.overlap, flush_before_overwrite=False, keep_unsent=False
+        )
         self.events = EventLog(cfg.metrics_file, source=EVALUATOR_ID)
         self.stop_requested = threading.Event()
         self.losses: list[float] = []

@@ -2,9 +2,11 @@
 
 For each fragment: the global it started from (``base`` and ``base_version``)
 and the progress made since (``c_steps``, ``c_tokens``), which is what a delta
-reports. Globals are applied at step boundaries only; a global that would
-overwrite progress not sent yet is flushed first (the syncer rebases it onto
-the new version, so a round that closed without this learner loses nothing).
+reports. Globals are applied at step boundaries only. A global that would
+erase much progress not sent yet is flushed first (the syncer rebases it onto
+the new version, so a round that closed without this learner loses nothing);
+with ``keep_unsent`` the rest (the overlap steps since the last send) is kept
+on top of the global, and the next delta carries it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class FragmentSync:
         plan: FragmentPlan,
         overlap: int,
         flush_before_overwrite: bool,
-        keep_unsent: bool = False,
+        keep_unsent: bool,
     ) -> None:
         self.plan = plan
         self.overlap = overlap

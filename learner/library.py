@@ -408,7 +408,7 @@ def load_global_model(
     run, _, process = split_settings(url=url, **settings)
     plan = FragmentPlan.for_model(model, run.fragments, run.sync_every)
     params = synced_parameters(model)
-    fragments = FragmentSync(plan, run.overlap, flush_before_overwrite=False)
+    fragments = FragmentSync(plan, run.overlap, flush_before_overwrite=False, keep_unsent=False)
     transport = connect_learner(
         run.url,
         run_id=run.run_id,

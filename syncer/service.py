@@ -322,7 +322,8 @@ class Syncer:
         self.metrics.bytes_out.set(self.transport.stats.bytes_sent)
 
     def quorum(self) -> int:
-        """K: ``DDILOCO_QUORUM`` when set, else M - 1 (see :meth:`learners`).
+        """K: ``DDILOCO_QUORUM`` when set, else M - 1 and at least 2 where M
+        allows (``default_quorum``; M: see :meth:`learners`).
         Learners that die are the rounds' business (they do not wait for the
         dead); a restart keeps K, since the roster comes back with the checkpoint."""
         return self.cfg.run.quorum or default_quorum(self.learners())

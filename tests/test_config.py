@@ -391,7 +391,7 @@ def test_bad_codec_spec_is_a_value_error(spec: str) -> None:
 
 
 # -- quorum ---------------------------------------------------------------------
-@pytest.mark.parametrize(("learners", "expected"), [(1, 1), (2, 1), (3, 2), (4, 3), (5, 4)])
+@pytest.mark.parametrize(("learners", "expected"), [(1, 1), (2, 2), (3, 2), (4, 3), (5, 4)])
 def test_default_quorum(learners: int, expected: int) -> None:
     assert default_quorum(learners) == expected
 

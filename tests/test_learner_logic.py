@@ -40,7 +40,7 @@ def params() -> dict[str, torch.Tensor]:
 
 # -- fragment bookkeeping ---------------------------------------------------------------
 def test_progress_counts_and_the_delta_is_base_minus_current() -> None:
-    sync = FragmentSync(PLAN, overlap=1, flush_before_overwrite=True)
+    sync = FragmentSync(PLAN, overlap=1, flush_before_overwrite=True, keep_unsent=False)
     p = params()
     for frag in range(2):
         sync.apply(frag, (0, 3), PLAN.flatten(p, frag), p)
@@ -57,7 +57,7 @@ def test_progress_counts_and_the_delta_is_base_minus_current() -> None:
 
 
 def test_apply_overwrites_resets_counters_and_records_the_version() -> None:
-    sync = FragmentSync(PLAN, overlap=1, flush_before_overwrite=True)
+    sync = FragmentSync(PLAN, overlap=1, flush_before_overwrite=True, keep_unsent=False)
     p = params()
     sync.trained(10)
     new = torch.full((PLAN.fragment_numel(0),), 7.0)
@@ -75,7 +75,7 @@ def test_apply_overwrites_resets_counters_and_records_the_version() -> None:
 
 
 def test_mixing_keeps_alpha_of_the_local_weights() -> None:
-    sync = FragmentSync(PLAN, overlap=1, flush_before_overwrite=True)
+    sync = FragmentSync(PLAN, overlap=1, flush_before_overwrite=True, keep_unsent=False)
     p = params()
     local = PLAN.flatten(p, 1)
     glob = torch.full_like(local, 10.0)
@@ -97,7 +97,7 @@ def test_mixing_keeps_alpha_of_the_local_weights() -> None:
 def test_flush_before_overwrite(
     trained: int, sent_at: int | None, flag: bool, expected: bool
 ) -> None:
-    sync = FragmentSync(PLAN, overlap=2, flush_before_overwrite=flag)
+    sync = FragmentSync(PLAN, overlap=2, flush_before_overwrite=flag, keep_unsent=False)
     p = params()
     sync.apply(0, (0, 0), PLAN.flatten(p, 0), p)
     for _ in range(trained):

@@ -257,7 +257,7 @@ def test_a_cluster_started_below_its_quorum_still_merges_and_says_why(tmp_path: 
     """M = 4 (K = 3) but two learners run: rounds used to wait for the third for
     ever, so nothing was merged. Now a round whose every live learner reported
     waits three heartbeat timeouts for the missing, closes, and the syncer says so
-    once; from then on K follows the learners that joined (K = 1 of 2)."""
+    once; from then on K follows the learners that joined (K = 2 of 2)."""
     clock, wall = Clock(100.0), Clock(1_700_000_000.0)
     syncer = make_syncer(tmp_path, free_port_pair(), quorum=0, learners=4, clocks=(clock, wall))
     wait_s = GONE_AFTER_HEARTBEATS * syncer.cfg.run.heartbeat_timeout_s
@@ -270,9 +270,11 @@ def test_a_cluster_started_below_its_quorum_still_merges_and_says_why(tmp_path: 
         clock.t = 100.0 + wait_s
         syncer.handle([heartbeat("a"), heartbeat("b")])
         assert syncer.rounds == 1 and syncer.states[0].version == 1
-        assert syncer.quorum() == 1
+        assert syncer.quorum() == 2
         syncer.handle([delta_on(syncer, "a", 2, 0.1)])
-        assert syncer.rounds == 2  # at once: K = 1, no grace (gamma 0)
+        assert syncer.rounds == 1
+        syncer.handle([delta_on(syncer, "b", 2, 0.1)])
+        assert syncer.rounds == 2  # at once: K = 2 reported, no grace (gamma 0)
         warnings = [e for e in events_of(tmp_path) if e["event"] == "short_run"]
         assert [(e["roster"], e["quorum"]) for e in warnings] == [(2, 3)]
     finally:
