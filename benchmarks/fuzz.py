@@ -70,6 +70,9 @@ class _Collect(SyncerTransport):
     def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
         self.published += 1
 
+    def announce(self, fragment: GlobalFragment) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

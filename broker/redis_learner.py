@@ -317,6 +317,10 @@ class RedisLearnerTransport(LearnerTransport):
             if msg is None or msg.fragment in fetch:
                 continue
             known = seen.get(msg.fragment)
+            if msg.is_weightless:  # an announcement: fetch the version unless held
+                if known is None or msg.epoch != known[0] or msg.version > known[1]:
+                    fetch.append(msg.fragment)
+                continue
             if known is None:
                 fetch.append(msg.fragment)  # no base: take the snapshot
             elif msg.epoch != known[0] or msg.version == known[1] + 1:

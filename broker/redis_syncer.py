@@ -503,6 +503,17 @@ class RedisSyncerTransport(SyncerTransport):
         self._unpublished[fragment.fragment] = (frame, whole, fragment)
         self._attempt(self._publish_queued)
 
+    def announce(self, fragment: GlobalFragment) -> None:
+        """Write the snapshot key again (a key lost or overwritten in Redis is
+        restored) and append the version, without its weights, to the globals
+        stream."""
+        if fragment.run_id != self.run_id:
+            raise ValueError(f"global of run {fragment.run_id!r} announced on run {self.run_id!r}")
+        weightless = encode_bounded(fragment.without_weights(), self.max_message_bytes)
+        whole = encode_bounded(fragment, self.max_message_bytes)
+        self._unpublished[fragment.fragment] = (weightless, whole, fragment)
+        self._attempt(self._publish_queued)
+
     def _publish_queued(self) -> None:
         if not self._unpublished:
             return

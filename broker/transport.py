@@ -227,4 +227,14 @@ class SyncerTransport(abc.ABC):
         learners that missed a version get."""
 
     @abc.abstractmethod
+    def announce(self, fragment: GlobalFragment) -> None:
+        """Tell every learner the published version of a fragment (``fragment``:
+        its weights) without the weights (:meth:`GlobalFragment.without_weights`):
+        a learner that holds it does nothing, one that does not (it missed it,
+        or a restarted syncer began a new epoch) fetches the snapshot, which a
+        broker that stores snapshots (Redis) writes again. For fragments that
+        have not moved for a while; sending their weights again cost every
+        learner the whole model every heartbeat timeout while a run started."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...

@@ -300,6 +300,13 @@ class ZmqLearnerTransport(LearnerTransport):
         ready.append(g)
         del ready[:-_CANDIDATES_PER_FRAGMENT]
 
+    def _handle_announcement(self, g: GlobalFragment) -> None:
+        """A version announced without weights: fetch it unless it is held."""
+        if g.run_id != self.run_id or g.fragment >= self.num_fragments:
+            self.stats.rejected["wrong_run" if g.run_id != self.run_id else "bad_fragment"] += 1
+        elif self._is_new(g):
+            self._resync(g.fragment)
+
     def _handle_refusal(self, refusal: Refusal) -> None:
         if refusal.learner_id != self.learner_id or refusal.incarnation != self.incarnation:
             self.stats.rejected["foreign_refusal"] += 1
@@ -331,10 +338,13 @@ class ZmqLearnerTransport(LearnerTransport):
                 frames = parts if sock in self._dealers else parts[1:]  # past the topic
                 msg = _decode(frames, self.max_message_bytes, self.stats)
                 if isinstance(msg, GlobalFragment):
+                    if msg.is_weightless and sock in self._subs:
+                        self._handle_announcement(msg)
+                        continue
                     if msg.is_weightless:
-                        # Only ever an answer to our snapshot() naming these weights;
-                        # one that comes after snapshot() returned is a duplicate.
-                        if sock not in self._dealers or msg.fragment not in self._held:
+                        # An answer to our snapshot() naming these weights; one
+                        # that comes after snapshot() returned is a duplicate.
+                        if msg.fragment not in self._held:
                             continue
                         msg = msg.with_weights(self._held[msg.fragment])
                     if sock in self._dealers:  # a snapshot answer: the resync is done
@@ -610,6 +620,15 @@ class ZmqSyncerTransport(SyncerTransport):
             _send(self._pub, (GLOBALS_TOPIC, *parts))
         except zmq.Again:
             return  # PUB does not block; subscribers notice the gap
+        self.stats.bytes_sent += sum(len(part) for part in parts)
+        self.stats.messages_sent += 1
+
+    def announce(self, fragment: GlobalFragment) -> None:
+        parts = wire.encode_parts(fragment.without_weights(), self.max_message_bytes)
+        try:
+            _send(self._pub, (GLOBALS_TOPIC, *parts))
+        except zmq.Again:
+            return
         self.stats.bytes_sent += sum(len(part) for part in parts)
         self.stats.messages_sent += 1
 

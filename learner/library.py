@@ -298,7 +298,12 @@ class DecoupledDiLoCo:
             self.metrics.globals_applied.inc()
 
     def _send(self, p: int, step: int) -> None:
-        if not self.fragments.has_progress(p) or not self.group.leader or self.comm is None:
+        if not self.fragments.has_progress(p):
+            return
+        # Every rank of a group marks the progress as sent, rank 0 sends it: the
+        # ranks then land the next global under the same unsent progress.
+        delta = self.fragments.send(p, step, self.params)
+        if not self.group.leader or self.comm is None:
             return
         self.seq += 1
         meta = Delta(
@@ -315,7 +320,7 @@ class DecoupledDiLoCo:
             c_tokens=self.fragments.c_tokens[p],
             sent_at=time.time(),
         )
-        self.comm.send_delta(OutgoingDelta(self.fragments.send(p, step, self.params), meta))
+        self.comm.send_delta(OutgoingDelta(delta, meta))
         self.metrics.deltas_sent.inc()
 
     def _wait_for_new_global(self, p: int, timeout_s: float = 60.0) -> None:

@@ -518,9 +518,11 @@ class Syncer:
         period = self.cfg.run.heartbeat_timeout_s
         for p, state in self.states.items():
             if now - self._published_at.get(p, now) >= period and not state.pending_learners:
-                self._publish(p)
+                self._publish(p, announce=True)
 
-    def _publish(self, p: int) -> None:
+    def _publish(self, p: int, announce: bool = False) -> None:
+        """Publish fragment p's version; ``announce``: without its weights (learners
+        that hold it, nearly all, need nothing; the others fetch the snapshot)."""
         self._published_at[p] = self.clock()
         state = self.states[p]
 
@@ -541,6 +543,9 @@ class Syncer:
 
         snapshot = state.snapshot
         published = state.publication
+        if announce:
+            self.transport.announce(message(snapshot))
+            return
         self.transport.publish(
             message(published), snapshot=None if snapshot is published else message(snapshot)
         )

@@ -532,6 +532,36 @@ def test_a_joiner_holding_the_current_weights_does_not_read_them(
 
 
 @pytest.mark.timeout(60)
+def test_an_announced_version_is_fetched_only_by_learners_that_lack_it(
+    redis_server: RedisServer,
+) -> None:
+    """An idle fragment was appended again whole every heartbeat timeout (the
+    ZeroMQ twin is in test_zmq_transport.py)."""
+    url = redis_server.url
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1])
+    syncer.publish(make_global(0, 3))
+    learner = RedisLearnerTransport(url, RUN, "l", 0, num_fragments=2)
+    held = learner.snapshot([0], timeout_s=5)[0]  # it holds fragment 0's version only
+    learner.accepted(held)
+    syncer.publish(make_global(1, 1))
+    learner.accepted(poll_until(learner, 1)[0])
+    # Fragment 1's next version: the learner reads it only as an announcement,
+    # as if the stream had dropped the version itself.
+    syncer.publish(make_global(1, 2))
+    server = redis.Redis.from_url(url)
+    entries = server.xrange(globals_stream_key(RUN))
+    server.xdel(globals_stream_key(RUN), entries[-1][0])
+    syncer.announce(make_global(0, 3))
+    syncer.announce(make_global(1, 2))
+    assert versions_of(poll_until(learner, 1)) == [(1, 2)]  # fetched: the snapshot
+    assert take_globals(learner, 0.3) == []  # fragment 0: held, nothing new
+    assert learner.stats.rejected == Counter()
+    for t in (learner, syncer):
+        t.close()
+    server.close()
+
+
+@pytest.mark.timeout(60)
 def test_learner_resyncs_after_globals_trimmed_past_it_or_a_missing_version(
     redis_server: RedisServer,
 ) -> None:

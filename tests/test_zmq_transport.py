@@ -407,6 +407,61 @@ def test_a_joiner_holding_the_current_weights_is_not_sent_them() -> None:
         syncer.close()
 
 
+def test_an_announced_version_is_fetched_only_by_learners_that_lack_it() -> None:
+    """An idle fragment was published again whole every heartbeat timeout: while
+    4 learners started, each received the whole model (3.4 MB) again every 5 s."""
+    bind = endpoint()
+    syncer = ZmqSyncerTransport(bind, RUN, [0, 1])
+    learner = None
+    n = 100_000
+    weights = torch.randn(n, generator=torch.Generator().manual_seed(0))
+
+    def version(p: int, v: int) -> GlobalFragment:
+        return GlobalFragment(
+            run_id=RUN, fragment=p, plan_hash=PLAN, version=v, sent_at=time.time(),
+            weights_crc=wire.weights_checksum(weights), codec="fp32", numel=n,
+            payload=Codec().encode(weights),
+        )  # fmt: skip
+
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            syncer.receive(0.02)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        syncer.publish(version(0, 3))
+        syncer.publish(version(1, 1))  # before the learner subscribed: it misses it
+        learner = ZmqLearnerTransport([bind], RUN, "l", 1, 2)
+        held = learner.snapshot([0], timeout_s=10)[0]  # it holds fragment 0's version only
+        learner.accepted(held)
+        before = syncer.stats.bytes_sent
+
+        def fetched() -> list[GlobalFragment]:
+            syncer.announce(version(0, 3))
+            syncer.announce(version(1, 1))
+            return take_globals(learner, 0.05)
+
+        got = wait_until(fetched, 10, what="fragment 1 fetched after its announcement")
+        assert [(g.fragment, g.version) for g in got] == [(1, 1)]
+        assert torch.equal(got[0].tensor(), weights)
+        learner.accepted(got[0])
+        # Held now, both announcements cost a header each, and nothing is fetched.
+        assert take_globals(learner, 0.3) == []
+        syncer.announce(version(1, 1))
+        assert take_globals(learner, 0.3) == []
+        # Fragment 1's weights went out once; fragment 0's never.
+        assert 4 * n < syncer.stats.bytes_sent - before < 5 * n
+    finally:
+        stop.set()
+        server.join(timeout=10)
+        if learner:
+            learner.close()
+        syncer.close()
+
+
 def test_snapshot_requests_cost_one_fragment_per_peer_and_interval() -> None:
     """The attack: one 4 kB request listing fragment 0 4096 times made the syncer queue
     4096 copies of the fragment (866 MB); three such clients took it to 2.85 GB."""
