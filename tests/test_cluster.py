@@ -9,6 +9,7 @@ volumes and networks; the images are built once and removed at the end.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -364,9 +365,11 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
         services = {json.loads(line)["Name"]: json.loads(line) for line in listed.splitlines()}
         assert services[f"{stack}_learner"]["Replicas"] == "2/2"
     finally:
-        run(["docker", "stack", "rm", stack], timeout=120)
 
         def gone() -> bool:
+            # `docker stack rm` fails to remove the network while a task still
+            # holds it (tasks stop asynchronously): ask again until all is gone.
+            subprocess.run(["docker", "stack", "rm", stack], capture_output=True, timeout=120)
             labels = {"label": f"com.docker.stack.namespace={stack}"}
             return not client.containers.list(all=True, filters=labels) and not [
                 n for n in client.networks.list() if n.name.startswith(stack)

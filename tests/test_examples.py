@@ -67,6 +67,9 @@ def test_ddiloco_local_trains_a_user_workload(tmp_path: Path) -> None:
             sys.executable, "-m", "compose.cli", "local",
             "--workload", "tests.workloads:regression",
             "--learners", "2", "--steps", "120", "--fragments", "2", "--sync-every", "8",
+            # The toy's steps outrun a round trip to the syncer (as in
+            # examples/plain_loop.py): rounds of one delta, not the default 2 of 2.
+            "--quorum", "1",
             "--eval-every-s", "2", "--no-progress", "--out", str(out),
         ],
         cwd=ROOT,
