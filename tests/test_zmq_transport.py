@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -355,6 +357,24 @@ def test_two_syncers_share_fragments_and_one_restarts_with_nothing_lost(tmp_path
         odd.stop()
 
 
+@contextmanager
+def serving(syncer: ZmqSyncerTransport) -> Iterator[None]:
+    """The syncer answers requests (snapshots) in a thread while the block runs."""
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            syncer.receive(0.02)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        server.join(timeout=10)
+
+
 def test_a_joiner_holding_the_current_weights_is_not_sent_them() -> None:
     """A learner that starts from the run's initial model downloaded it whole at
     every join: 3.4 MB per learner of a 300-step run's 19 MB on a 10 Mbit/s link."""
@@ -377,21 +397,10 @@ def test_a_joiner_holding_the_current_weights_is_not_sent_them() -> None:
         syncer.publish(version(1, 3, weights[1]))
         published = syncer.stats.bytes_sent
         learner = ZmqLearnerTransport([bind], RUN, "joiner", 1, 2)
-        stop = threading.Event()
-
-        def serve() -> None:
-            while not stop.is_set():
-                syncer.receive(0.02)
-
-        server = threading.Thread(target=serve)
-        server.start()
-        try:
+        with serving(syncer):
             # It holds fragment 0's current weights, and other weights of fragment 1.
             held = {0: weights[0].clone(), 1: weights[1] + 1}
             result = learner.snapshot([0, 1], timeout_s=10, held=held)
-        finally:
-            stop.set()
-            server.join(timeout=10)
         assert {p: (g.version, g.is_change) for p, g in result.items()} == {
             0: (5, False),
             1: (3, False),
@@ -423,40 +432,31 @@ def test_an_announced_version_is_fetched_only_by_learners_that_lack_it() -> None
             payload=Codec().encode(weights),
         )  # fmt: skip
 
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            syncer.receive(0.02)
-
-    server = threading.Thread(target=serve)
-    server.start()
     try:
-        syncer.publish(version(0, 3))
-        syncer.publish(version(1, 1))  # before the learner subscribed: it misses it
-        learner = ZmqLearnerTransport([bind], RUN, "l", 1, 2)
-        held = learner.snapshot([0], timeout_s=10)[0]  # it holds fragment 0's version only
-        learner.accepted(held)
-        before = syncer.stats.bytes_sent
+        with serving(syncer):
+            syncer.publish(version(0, 3))
+            syncer.publish(version(1, 1))  # before the learner subscribed: it misses it
+            learner = ZmqLearnerTransport([bind], RUN, "l", 1, 2)
+            held = learner.snapshot([0], timeout_s=10)[0]  # it holds fragment 0's version only
+            learner.accepted(held)
+            before = syncer.stats.bytes_sent
 
-        def fetched() -> list[GlobalFragment]:
-            syncer.announce(version(0, 3))
+            def fetched() -> list[GlobalFragment]:
+                syncer.announce(version(0, 3))
+                syncer.announce(version(1, 1))
+                return take_globals(learner, 0.05)
+
+            got = wait_until(fetched, 10, what="fragment 1 fetched after its announcement")
+            assert [(g.fragment, g.version) for g in got] == [(1, 1)]
+            assert torch.equal(got[0].tensor(), weights)
+            learner.accepted(got[0])
+            # Held now, both announcements cost a header each, and nothing is fetched.
+            assert take_globals(learner, 0.3) == []
             syncer.announce(version(1, 1))
-            return take_globals(learner, 0.05)
-
-        got = wait_until(fetched, 10, what="fragment 1 fetched after its announcement")
-        assert [(g.fragment, g.version) for g in got] == [(1, 1)]
-        assert torch.equal(got[0].tensor(), weights)
-        learner.accepted(got[0])
-        # Held now, both announcements cost a header each, and nothing is fetched.
-        assert take_globals(learner, 0.3) == []
-        syncer.announce(version(1, 1))
-        assert take_globals(learner, 0.3) == []
-        # Fragment 1's weights went out once; fragment 0's never.
-        assert 4 * n < syncer.stats.bytes_sent - before < 5 * n
+            assert take_globals(learner, 0.3) == []
+            # Fragment 1's weights went out once; fragment 0's never.
+            assert 4 * n < syncer.stats.bytes_sent - before < 5 * n
     finally:
-        stop.set()
-        server.join(timeout=10)
         if learner:
             learner.close()
         syncer.close()
