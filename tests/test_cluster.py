@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from broker.settings import default_quorum
 from compose.throttle import parse_rate
 from tests.docker_env import (
     COMPOSE_FILE,
@@ -352,7 +353,7 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
             return (
                 len(rounds) >= 4
                 and learners == {"learner-0", "learner-1"}
-                and rounds[-1]["quorum"] == 1
+                and rounds[-1]["quorum"] == default_quorum(2)
             )
 
         try:
