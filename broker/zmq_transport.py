@@ -74,6 +74,10 @@ _CANDIDATES_PER_FRAGMENT = 4  # globals held per fragment between two polls
 _RESYNC_FIRST_RETRY_S = 0.5  # then doubling: whole fragments must not pile up on a slow link
 _RESYNC_MAX_RETRY_S = 8.0
 _JOIN_MAX_RETRY_S = 2.0
+# A request that could not go out (no connection yet: a transport just made,
+# or a syncer restarting) is tried again this soon, without backing off: the
+# backoff is for requests that went out, whose answers are whole fragments.
+_UNSENT_RETRY_S = 0.02
 
 
 def pub_endpoint(endpoint: str) -> str:
@@ -238,7 +242,10 @@ class ZmqLearnerTransport(LearnerTransport):
             self.stats.bytes_sent += len(frame)
             self.stats.messages_sent += 1
 
-    def _request_snapshot(self, fragments: list[int]) -> None:
+    def _request_snapshot(self, fragments: list[int]) -> bool:
+        """Ask the owners of ``fragments`` for them; False if a request could not
+        go out (its syncer is not connected, or its queue is full)."""
+        sent = True
         by_owner: dict[int, list[int]] = defaultdict(list)
         for p in fragments:
             by_owner[self._owner(p)].append(p)
@@ -254,8 +261,10 @@ class ZmqLearnerTransport(LearnerTransport):
             try:
                 self._dealers[owner].send(frame, zmq.NOBLOCK)
             except zmq.Again:
+                sent = False
                 continue
             self.stats.bytes_sent += len(frame)
+        return sent
 
     def _resync(self, fragment: int) -> None:
         """Ask for the fragment's latest global until an answer comes: the syncer
@@ -271,9 +280,12 @@ class ZmqLearnerTransport(LearnerTransport):
     def _retry_resyncs(self) -> None:
         now = time.monotonic()
         for p, (due, retry_s) in list(self._awaiting.items()):
-            if now >= due:
-                self._request_snapshot([p])
+            if now < due:
+                continue
+            if self._request_snapshot([p]):
                 self._awaiting[p] = (now + retry_s, min(2 * retry_s, _RESYNC_MAX_RETRY_S))
+            else:
+                self._awaiting[p] = (now + _UNSENT_RETRY_S, retry_s)
 
     def _handle_global(self, g: GlobalFragment) -> None:
         if g.run_id != self.run_id or g.fragment >= self.num_fragments:
@@ -398,11 +410,13 @@ class ZmqLearnerTransport(LearnerTransport):
             if now >= deadline:
                 break
             if now >= next_request:
-                self._request_snapshot(sorted(wanted - got.keys()))
-                next_request = now + retry_s
-                # At most 2 s apart: a syncer that starts after its learners is found soon.
-                retry_s = min(retry_s * 2, _JOIN_MAX_RETRY_S)
-            self._drain(min(0.05, deadline - now))
+                if self._request_snapshot(sorted(wanted - got.keys())):
+                    next_request = now + retry_s
+                    # At most 2 s apart: a syncer that starts after its learners is found soon.
+                    retry_s = min(retry_s * 2, _JOIN_MAX_RETRY_S)
+                else:
+                    next_request = now + _UNSENT_RETRY_S
+            self._drain(min(0.05, max(0.0, next_request - time.monotonic()), deadline - now))
             self._resend_due()
             before = len(got)
             for p in wanted & self._ready.keys():
@@ -437,12 +451,13 @@ class ZmqLearnerTransport(LearnerTransport):
             if now >= next_request:
                 try:
                     self._dealers[0].send(frame, zmq.NOBLOCK)  # the first syncer holds leases
-                    self.stats.bytes_sent += len(frame)
                 except zmq.Again:
-                    pass  # not connected yet
-                next_request = now + retry_s
-                retry_s = min(retry_s * 2, 4.0)
-            self._drain(min(0.05, deadline - now))
+                    next_request = now + _UNSENT_RETRY_S  # not connected yet
+                else:
+                    self.stats.bytes_sent += len(frame)
+                    next_request = now + retry_s
+                    retry_s = min(retry_s * 2, 4.0)
+            self._drain(min(0.05, max(0.0, next_request - time.monotonic()), deadline - now))
             self._resend_due()
         return self._grants.pop(holder)
 

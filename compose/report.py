@@ -52,18 +52,28 @@ def load_events(out: Path) -> list[dict[str, Any]]:
     return events
 
 
-def _intervals(events: list[dict[str, Any]], end: float) -> dict[str, list[tuple[float, float]]]:
-    """When each learner was training: from its 'start' to its 'train_end', kill or crash."""
+def _intervals(
+    events: list[dict[str, Any]], end: float, trained_only: bool = False
+) -> dict[str, list[tuple[float, float]]]:
+    """When each learner was training: from its 'start' to its 'train_end', kill or crash.
+
+    ``trained_only``: leave out a restart that starts at the learner's last
+    step and ends there (it was killed after that step, while sending its last
+    progress): it trained nothing, and must not stretch the window in which
+    uptime is measured past the run's last step. Goodput keeps it: the kill
+    shows there as time after the last step (``other``)."""
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    open_since: dict[str, float] = {}
+    open_since: dict[str, tuple[float, int | None]] = {}
     for e in events:
         if e["event"] == "start" and "learner" in e:
-            open_since[e["learner"]] = e["t"]
+            open_since[e["learner"]] = (e["t"], e.get("step"))
         elif e["event"] == "train_end" and e.get("learner") in open_since:
-            spans[e["learner"]].append((open_since.pop(e["learner"]), e["t"]))
+            since, from_step = open_since.pop(e["learner"])
+            if not (trained_only and from_step is not None and e.get("step") == from_step):
+                spans[e["learner"]].append((since, e["t"]))
         elif e["event"] in ("process_kill", "process_crash") and e.get("process") in open_since:
-            spans[e["process"]].append((open_since.pop(e["process"]), e["t"]))
-    for name, since in open_since.items():
+            spans[e["process"]].append((open_since.pop(e["process"])[0], e["t"]))
+    for name, (since, _) in open_since.items():
         spans[name].append((since, end))
     return spans
 
@@ -306,7 +316,7 @@ def summarise(
     last, rates = _last_counters(events)
     tokens_total = sum(_tokens_per_learner(last).values())
 
-    spans = _intervals(events, end)
+    spans = _intervals(events, end, trained_only=True)
     all_spans = [s for v in spans.values() for s in v]
     train_start = min((s for s, _ in all_spans), default=start)
     train_end = max((e for _, e in all_spans), default=end)

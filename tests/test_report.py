@@ -124,6 +124,30 @@ def test_the_eval_curve_places_each_evaluation_by_the_tokens_trained_by_then() -
     assert eval_curve(events)[-1] == (123, 2.0)
 
 
+def test_a_kill_after_the_last_step_is_no_downtime() -> None:
+    """learner-0 is killed after its last step, while it sends its last progress,
+    and its restart only finishes: nothing was left to train, so uptime is the
+    same as without that kill. Goodput still charges it (time after the last step)."""
+    plain = summarise(run_events(), mode="decoupled", learners=2, steps=40, fragments=2)
+    events = run_events()
+    events += [
+        {"t": 7.55, "event": "process_kill", "process": "learner-0", "reason": "chaos"},
+        {"t": 9.0, "event": "process_restart", "process": "learner-0"},
+        {"t": 9.5, "event": "start", "learner": "learner-0", "incarnation": 2, "step": 40},
+        {"t": 9.5, "event": "train_end", "learner": "learner-0", "incarnation": 2, "step": 40},
+        {"t": 9.6, "event": "run_end"},
+    ]
+    events = [e for e in events if e["event"] != "run_end" or e["t"] == 9.6]
+    s = summarise(events, mode="decoupled", learners=2, steps=40, fragments=2)
+    assert s["learner_kills"] == plain["learner_kills"] + 1
+    assert s["uptime"] == plain["uptime"] == round(5 / 6.5, 4)
+    assert s["goodput"] < plain["goodput"]
+    # A restart that trains a step is a span: the window then runs to its end.
+    events[-2] = {**events[-2], "step": 41}
+    s = summarise(events, mode="decoupled", learners=2, steps=40, fragments=2)
+    assert s["uptime"] == round(5 / 8.5, 4)
+
+
 def test_ddp_goodput_counts_trained_tokens() -> None:
     s = summarise(run_events(), mode="ddp", learners=2, steps=40, fragments=2)
     assert s["merged_tokens"] == 6500

@@ -263,6 +263,35 @@ def test_late_joiner_gets_latest_snapshot_then_later_versions() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_request_that_could_not_go_out_is_tried_again_without_backing_off() -> None:
+    """A learner asks before its connection is up (a restart asks at once): the
+    request is not sent, so it must not wait out the backoff meant for requests
+    that went out (it did: every restarted learner trained 0.5 s late)."""
+    bind = endpoint()
+    learner = ZmqLearnerTransport([bind], RUN, "early", 1, 1)
+    syncer = None
+    try:
+        learner.resync(0)
+        learner.poll(0.0)  # no syncer: the request cannot go out
+        due, retry_s = learner._awaiting[0]
+        assert learner.stats.bytes_sent == 0
+        assert due - time.monotonic() <= 0.02 and retry_s == 0.5  # soon, backoff untouched
+        syncer = ZmqSyncerTransport(bind, RUN, [0])
+        syncer.publish(global_fragment(0, 7))
+
+        def answered() -> list[GlobalFragment]:
+            syncer.receive(0.0)
+            return take_globals(learner, 0.02)
+
+        assert [g.version for g in wait_until(answered, 10, what="the snapshot")] == [7]
+        assert learner.stats.bytes_sent > 0
+    finally:
+        learner.close()
+        if syncer:
+            syncer.close()
+
+
+@pytest.mark.timeout(30)
 def test_subscriber_that_missed_messages_notices_the_gap_and_resyncs() -> None:
     bind = endpoint()
     syncer = ZmqSyncerTransport(bind, RUN, [0], send_hwm=1)
