@@ -16,7 +16,10 @@ answers each with an 8-byte acknowledgement, at most 16 unacknowledged (the
 backend's window here); ``raw_redis`` XADDs them one at a time (a delta is
 delivered when its XADD returns, as in the backend) while a consumer process
 reads them with XREADGROUP and XACKs them. ``ratio_vs_raw`` is the backend's
-MB/s over its baseline's at the same size.
+MB/s over its baseline's at the same size. Every process, ours and the
+baselines', freezes its startup heap before it is timed, as the services do
+(:func:`broker.runtime.freeze_startup_heap`): a full garbage collection over
+torch's objects costs a tenth of a second whichever code triggers it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import numpy as np
 
 from broker.codecs import Codec
 from broker.connect import connect_learner, connect_syncer
+from broker.runtime import freeze_startup_heap
 from broker.transport import Backpressure
 from broker.wire import Delta
 
@@ -56,6 +60,7 @@ MODES: dict[str, tuple[tuple[float, ...], float]] = {
 
 def _syncer(url: str, ready: Any, stop: Any) -> None:
     transport = connect_syncer(url, run_id=RUN, syncer_id="bench", fragments=[0])
+    freeze_startup_heap()
     ready.set()
     while not stop.is_set():
         items = transport.receive(0.05)
@@ -131,6 +136,7 @@ def _raw_zmq_receiver(endpoint: str, ready: Any, stop: Any) -> None:
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.bind(endpoint)
+    freeze_startup_heap()
     ready.set()
     while not stop.is_set():
         if not router.poll(50):
@@ -183,6 +189,7 @@ def _raw_redis_consumer(url: str, stream: str, ready: Any, stop: Any) -> None:
     client = redis.Redis.from_url(url)
     with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: made by an earlier size
         client.xgroup_create(stream, "raw", id="0", mkstream=True)
+    freeze_startup_heap()
     ready.set()
     while not stop.is_set():
         reply = cast(list[Any], client.xreadgroup("raw", "c", {stream: ">"}, count=64, block=50))
@@ -239,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis-url", default=None, help="default: start a private redis-server")
     args = ap.parse_args(argv)
     sizes_mb, bytes_per_size = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    freeze_startup_heap()
 
     server = None
     results = []

@@ -71,11 +71,15 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
 
 def _run_learner(cfg: LearnerConfig) -> int:
     from broker.files import EventLog
+    from broker.runtime import freeze_startup_heap
     from learner.worker import Learner
 
     if os.environ.get(STANDBY_ENV):
         # A warm spare: its imports are done; wait to be told to go on (and with
         # what environment) as the learner it replaces. No line: not needed.
+        # Its imports leave the collector's reach now, while it waits, so the
+        # freeze at the start of training has little left to walk.
+        freeze_startup_heap()
         line = sys.stdin.readline()
         if not line:
             return 0

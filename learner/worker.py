@@ -20,6 +20,7 @@ import torch
 import torch._dynamo  # noqa: F401  (a first optimizer imports it: seconds, here with the rest)
 
 from broker.files import EventLog
+from broker.runtime import freeze_startup_heap
 from learner.config import LearnerConfig, TrainConfig
 from learner.group import TorchrunGroup
 from learner.library import DecoupledDiLoCo
@@ -114,6 +115,7 @@ class Learner:
         with sync:
             if sync.start_step == 0:  # the curve's first point; a restart goes on with it
                 self._evaluate(sync.start_step)
+            freeze_startup_heap()  # built and joined: what lives from here on is the run's
             self.events.write("start", step=sync.start_step)
             log.info("learner %s starts at step %d of %d", cfg.learner_id, sync.start_step, steps)
             window_start, window_steps = time.perf_counter(), 0

@@ -37,6 +37,7 @@ from prometheus_client import Counter as PromCounter
 from broker.connect import connect_syncer
 from broker.files import EventLog
 from broker.initial_model import read_initial_model
+from broker.runtime import freeze_startup_heap
 from broker.settings import GONE_AFTER_HEARTBEATS, default_quorum
 from broker.transport import Inbound, SyncerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat, WireError
@@ -250,6 +251,7 @@ class Syncer:
 
     # -- the loop --------------------------------------------------------
     def run(self, max_seconds: float | None = None) -> None:
+        freeze_startup_heap()
         end = None if max_seconds is None else self.clock() + max_seconds
         while not self.stop_requested.is_set() and (end is None or self.clock() < end):
             self.step()

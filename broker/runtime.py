@@ -1,0 +1,18 @@
+"""Process-wide settings that the long-lived services share."""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze_startup_heap() -> None:
+    """Keep what the process built at startup out of every later garbage collection.
+
+    With torch imported a process holds about 170,000 tracked objects that live
+    as long as it does (modules, functions, the model). Each full collection
+    walks all of them: 0.16 s measured in a syncer receiving 1 MB deltas, a
+    pause in the middle of a round, or of a learner's step. ``gc.freeze`` moves
+    them to a generation collections never visit; call it once, when startup
+    is done (garbage made until then is collected first, not kept)."""
+    gc.collect()
+    gc.freeze()
