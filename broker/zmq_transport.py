@@ -631,15 +631,14 @@ class ZmqSyncerTransport(SyncerTransport):
         )
         weightless = wire.encode_parts(fragment.without_weights(), self.max_message_bytes)
         self._latest_weightless[fragment.fragment] = (fragment.weights_crc, weightless)
-        try:
-            _send(self._pub, (GLOBALS_TOPIC, *parts))
-        except zmq.Again:
-            return  # PUB does not block; subscribers notice the gap
-        self.stats.bytes_sent += sum(len(part) for part in parts)
-        self.stats.messages_sent += 1
+        self._broadcast(parts)
 
     def announce(self, fragment: GlobalFragment) -> None:
-        parts = wire.encode_parts(fragment.without_weights(), self.max_message_bytes)
+        self._broadcast(wire.encode_parts(fragment.without_weights(), self.max_message_bytes))
+
+    def _broadcast(self, parts: Parts) -> None:
+        """Send ``parts`` to every subscriber, or drop them: PUB does not block, and
+        subscribers notice the gap (a missed announcement, at the next one)."""
         try:
             _send(self._pub, (GLOBALS_TOPIC, *parts))
         except zmq.Again:
