@@ -70,7 +70,10 @@ _FRAME_OVERHEAD = 64 * 1024 + 16  # header limit + prefix + checksum
 _ZERO_COPY_BYTES = 64 * 1024
 # A message as sent: one whole frame, or the three parts of wire.encode_parts.
 Parts = tuple[bytes, ...]
-_CANDIDATES_PER_FRAGMENT = 4  # globals held per fragment between two polls
+# Globals held per fragment between two polls. Most are changes, each from the
+# version before it: all of a run of them are needed to follow the chain (a
+# learner busy between two polls, e.g. joining, may find a dozen).
+_CANDIDATES_PER_FRAGMENT = 64
 _RESYNC_FIRST_RETRY_S = 0.5  # then doubling: whole fragments must not pile up on a slow link
 _RESYNC_MAX_RETRY_S = 8.0
 _JOIN_MAX_RETRY_S = 2.0
@@ -307,10 +310,13 @@ class ZmqLearnerTransport(LearnerTransport):
             self._resync(g.fragment)
         # A global of another epoch is a restarted syncer's new lineage: offered
         # as is, whatever its version (its versions start again at 0). Nothing is
-        # recorded until the learner has validated it (accepted()); a few
-        # candidates per fragment are kept, so a bad one cannot hide a good one.
+        # recorded until the learner has validated it (accepted()); every
+        # candidate is offered, so a bad one cannot hide a good one.
         ready.append(g)
-        del ready[:-_CANDIDATES_PER_FRAGMENT]
+        if len(ready) > _CANDIDATES_PER_FRAGMENT:
+            # The changes kept no longer reach back to what the learner holds.
+            del ready[:-_CANDIDATES_PER_FRAGMENT]
+            self._resync(g.fragment)
 
     def _handle_announcement(self, g: GlobalFragment) -> None:
         """A version announced without weights: fetch it unless it is held."""
@@ -504,9 +510,11 @@ class ZmqSyncerTransport(SyncerTransport):
         self._latest_weightless: dict[int, tuple[int, Parts]] = {}
         self._leases: dict[int, tuple[str, float]] = {}  # slot -> (holder, expiry)
         self._started = time.monotonic()
-        # When each (peer, fragment) was last answered: a snapshot is a whole
-        # fragment, so a peer gets each at most once per snapshot_interval_s.
-        self._answered: dict[tuple[bytes, int], float] = {}
+        self._latest_stamp: dict[int, tuple[int, int]] = {}  # (epoch, version) per fragment
+        # When each (peer, fragment) was last answered, and with which version: a
+        # snapshot is a whole fragment, so a peer gets each version at most once
+        # per snapshot_interval_s.
+        self._answered: dict[tuple[bytes, int], tuple[float, tuple[int, int]]] = {}
 
     def receive(self, timeout_s: float) -> list[Inbound]:
         out: list[Inbound] = []
@@ -550,25 +558,31 @@ class ZmqSyncerTransport(SyncerTransport):
         self.stats.messages_sent += 1
 
     def _answer_snapshot(self, identity: bytes, req: SnapshotRequest) -> None:
-        """Each owned fragment asked for, once, and not again to the same peer within
-        ``snapshot_interval_s`` (learners retry with backoff from 0.5 s): a request
-        listing one fragment thousands of times, or a flood of requests, costs one
-        fragment per peer and interval, not memory without bound."""
+        """Each owned fragment asked for, once, and its version not again to the same
+        peer within ``snapshot_interval_s`` (learners retry with backoff from 0.5 s):
+        a request listing one fragment thousands of times, or a flood of requests,
+        costs one fragment per peer, version and interval, not memory without bound.
+        A newer version is answered at once: a learner that missed a change right
+        after it joined (its subscription was not live yet) must not train on a
+        base that goes stale while it waits out the interval."""
         asked = set(req.fragments) if req.fragments else set(self._latest)
         if len(asked) < len(req.fragments):
             self.stats.rejected["snapshot_duplicate"] += len(req.fragments) - len(asked)
         now = time.monotonic()
         if len(self._answered) > 16 * 1024:  # forget answers older than the interval
             self._answered = {
-                k: t for k, t in self._answered.items() if now - t < self.snapshot_interval_s
+                k: last
+                for k, last in self._answered.items()
+                if now - last[0] < self.snapshot_interval_s
             }
         held = dict(zip(req.fragments, req.held_crcs, strict=False))
         for p in sorted(asked & self._latest.keys()):
+            stamp = self._latest_stamp[p]
             last = self._answered.get((identity, p))
-            if last is not None and now - last < self.snapshot_interval_s:
+            if last is not None and now - last[0] < self.snapshot_interval_s and last[1] == stamp:
                 self.stats.rate_limited += 1
                 continue
-            self._answered[(identity, p)] = now
+            self._answered[(identity, p)] = (now, stamp)
             crc, weightless = self._latest_weightless[p]
             self._send_to(identity, weightless if held.get(p) == crc else self._latest[p])
 
@@ -631,6 +645,7 @@ class ZmqSyncerTransport(SyncerTransport):
         )
         weightless = wire.encode_parts(fragment.without_weights(), self.max_message_bytes)
         self._latest_weightless[fragment.fragment] = (fragment.weights_crc, weightless)
+        self._latest_stamp[fragment.fragment] = (fragment.epoch, fragment.version)
         self._broadcast(parts)
 
     def announce(self, fragment: GlobalFragment) -> None:

@@ -92,6 +92,8 @@ class CommThread(threading.Thread):
         self._force_next: set[int] = set()
         self._forced: set[int] = set()
         self._stopping = threading.Event()
+        self._polls = 0  # polls handled so far, counted under _polled
+        self._polled = threading.Condition()
         self.dropped = 0
         self.globals_rejected: Counter[str] = Counter()
         self._encoding = 0
@@ -125,6 +127,17 @@ class CommThread(threading.Thread):
             forced, self._forced = self._forced, set()
             self._arrived.clear()
         return arrived, forced
+
+    def wait_for_arrivals(self, timeout_s: float) -> None:
+        """Return once what arrived before this call has been decoded and is ready
+        for :meth:`take_globals` (or after ``timeout_s``). A learner's first step
+        waits so: what arrived while it was busy starting (building, joining,
+        collecting its heap) is applied before its first delta is measured from
+        an old base, which the syncer would refuse as stale."""
+        with self._polled:
+            # The poll under way may have begun before this call: wait for the next.
+            target = self._polls + 2
+            self._polled.wait_for(lambda: self._polls >= target or not self.is_alive(), timeout_s)
 
     @property
     def queued_bytes(self) -> int:
@@ -202,6 +215,9 @@ class CommThread(threading.Thread):
                 if g.fragment in self._force_next:
                     self._force_next.discard(g.fragment)
                     self._forced.add(g.fragment)
+        with self._polled:
+            self._polls += 1
+            self._polled.notify_all()
 
 
 def _raw_bytes(delta: torch.Tensor) -> int:

@@ -69,6 +69,10 @@ log = logging.getLogger(__name__)
 
 # Queued deltas of a small model cost little: keep at least this many bytes of them.
 MIN_QUEUED_BYTES = 64 * 2**20
+# The first step waits at most this long for the globals that arrived while the
+# learner started to be decoded (a poll and its decoding: milliseconds, or about a
+# second for the fragments of a large model).
+_FIRST_ARRIVALS_TIMEOUT_S = 5.0
 _SETTING_GROUPS = (RunSettings, SyncConfig, ProcessConfig)
 
 
@@ -241,6 +245,8 @@ class DecoupledDiLoCo:
         pause = self.sync_cfg.sync_pause_every
         sync_on = not pause or (step // pause) % 2 == 0
         if sync_on and self.syncing:
+            if step == self.start_step + 1 and self.comm is not None:
+                self.comm.wait_for_arrivals(_FIRST_ARRIVALS_TIMEOUT_S)
             self._apply_arrived(step)
             for p in self.plan.fragments_due(step):
                 self._send(p, step)

@@ -9,6 +9,7 @@ own tests against real sockets and a real Redis).
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import replace
 
 import pytest
@@ -410,6 +411,31 @@ def test_a_change_applies_only_to_the_version_it_is_from() -> None:
     assert torch.equal(result[2], apply_change(base, sent))
     # Another epoch's change is not from this version either.
     assert decoder.decode(replace(change(3), epoch=1)) == NO_BASE
+
+
+def test_the_first_step_applies_what_arrived_while_the_learner_started() -> None:
+    """Globals that arrived while a learner was busy starting are decoded by its comm
+    thread, which that work starved of time. Its first steps went on without
+    them: its first deltas were measured from the join version and refused as
+    stale. The first step waits for them to be decoded."""
+    learner, transport = make_learner()
+    learner.join()
+    try:
+        assert learner.comm is not None
+        decode = learner.comm.check
+
+        def slow_check(g: GlobalFragment) -> Decoded | str:
+            time.sleep(0.3)  # a comm thread short of CPU
+            return decode(g)
+
+        learner.comm.check = slow_check
+        newer = {p: learner.plan.flatten(learner.params, p) + 1 for p in range(2)}
+        transport.polled = [global_of(learner, p, 1, newer[p]) for p in range(2)]
+        learner.step(16)
+        assert learner.fragments.base_version == {0: 1, 1: 1}
+        assert all(torch.equal(learner.plan.flatten(learner.params, p), newer[p]) for p in range(2))
+    finally:
+        learner.close()
 
 
 def test_a_snapshot_that_overtakes_changes_asks_for_nothing_more() -> None:

@@ -322,6 +322,32 @@ def test_subscriber_that_missed_messages_notices_the_gap_and_resyncs() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_every_version_that_arrived_between_two_polls_is_offered() -> None:
+    """Globals are changes, each from the version before it: a learner that did not
+    poll while a dozen arrived (it was joining) needs all of them. Only the newest
+    4 were kept, so it could apply none, trained on its join version and had its
+    first deltas refused as stale."""
+    bind = endpoint()
+    syncer = ZmqSyncerTransport(bind, RUN, [0])
+    learner = ZmqLearnerTransport([bind], RUN, "busy", 1, 1)
+    try:
+
+        def first() -> bool:
+            syncer.publish(global_fragment(0, 1))
+            return bool(take_globals(learner, 0.05))
+
+        wait_until(first, 10, what="subscription to connect")
+        for version in range(2, 14):
+            syncer.publish(global_fragment(0, version))
+        time.sleep(0.3)  # all of them reach the learner's socket before it polls
+        assert [g.version for g in take_globals(learner, 1.0)] == list(range(2, 14))
+        assert learner.gaps == 0 and not learner._awaiting
+    finally:
+        learner.close()
+        syncer.close()
+
+
+@pytest.mark.timeout(30)
 def test_bad_frames_are_counted_and_good_deltas_still_arrive() -> None:
     bind = endpoint()
     syncer = ZmqSyncerTransport(bind, RUN, [0, 1], max_message_bytes=1024)
@@ -488,6 +514,48 @@ def test_an_announced_version_is_fetched_only_by_learners_that_lack_it() -> None
     finally:
         if learner:
             learner.close()
+        syncer.close()
+
+
+def test_a_newer_version_is_answered_within_the_snapshot_interval() -> None:
+    """A learner that joined at version 3 and missed the change to 4 (its subscription
+    was not live yet) asks again at once. The interval must not make it wait: its
+    deltas from version 3 would go stale in the meantime (a run refused all of one
+    learner's 32 deltas so). Asking again for the version it was just sent is
+    still limited."""
+    bind = endpoint()
+    syncer = ZmqSyncerTransport(bind, RUN, [0], snapshot_interval_s=30.0)
+    syncer.publish(global_fragment(0, 3))
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(bind)
+    request = wire.encode(wire.SnapshotRequest(run_id=RUN, learner_id="x", fragments=[0]))
+
+    def answer() -> GlobalFragment | None:
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            syncer.receive(0.05)
+            if raw.poll(0):
+                msg = wire.decode(b"".join(raw.recv_multipart()))
+                assert isinstance(msg, GlobalFragment)
+                return msg
+        return None
+
+    try:
+        raw.send(request)
+        first = answer()
+        assert first is not None and first.version == 3
+        raw.send(request)
+        assert answer() is None and syncer.stats.rate_limited == 1
+        syncer.publish(global_fragment(0, 4))
+        raw.send(request)
+        newer = answer()
+        assert newer is not None and newer.version == 4
+        raw.send(request)
+        assert answer() is None and syncer.stats.rate_limited == 2
+    finally:
+        raw.close(0)
+        ctx.term()
         syncer.close()
 
 
