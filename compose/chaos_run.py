@@ -184,7 +184,11 @@ class DockerTargets:
     def _containers(self) -> list[Any]:
         found = []
         for label in ("com.docker.compose.project", "com.docker.stack.namespace"):
-            found += self.client.containers.list(filters={"label": f"{label}={self.project}"})
+            # A container removed between the listing and its inspection (a kill,
+            # a swarm replacing a task) is left out, not an error.
+            found += self.client.containers.list(
+                filters={"label": f"{label}={self.project}"}, ignore_removed=True
+            )
         return found
 
     def role(self, container: Any) -> str | None:

@@ -184,7 +184,9 @@ def container_links(container: str | None, project: str) -> list[Link]:
             ("com.docker.compose.project", "com.docker.compose.service=learner"),
             ("com.docker.stack.namespace", f"com.docker.swarm.service.name={project}_learner"),
         ):
-            found += client.containers.list(filters={"label": [f"{label}={project}", service]})
+            found += client.containers.list(
+                filters={"label": [f"{label}={project}", service]}, ignore_removed=True
+            )
         if not found:
             raise ValueError(f"no running learner container in project {project!r}")
     links = []

@@ -242,7 +242,8 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
         target = next(
             c.name
             for c in docker_client().containers.list(
-                filters={"label": f"com.docker.compose.project={cluster.project}"}
+                filters={"label": f"com.docker.compose.project={cluster.project}"},
+                ignore_removed=True,
             )
             if c.labels.get("com.docker.compose.service") == "learner"
         )
@@ -372,7 +373,9 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
             # holds it (tasks stop asynchronously): ask again until all is gone.
             subprocess.run(["docker", "stack", "rm", stack], capture_output=True, timeout=120)
             labels = {"label": f"com.docker.stack.namespace={stack}"}
-            return not client.containers.list(all=True, filters=labels) and not [
+            # ignore_removed: a task's container may go between listing and inspection.
+            listed = client.containers.list(all=True, filters=labels, ignore_removed=True)
+            return not listed and not [
                 n for n in client.networks.list() if n.name.startswith(stack)
             ]
 
