@@ -383,13 +383,18 @@ class LocalRun:
         The steps since that checkpoint are lost and run again. Detection is
         immediate: the launcher killed the rank itself, or saw ``ddiloco chaos``
         do it. A rank that died on its own is a crash, which ends the run."""
-        down = [
-            p
-            for p in self.learners
-            if not p.done and p.restart_at is None and p.popen is not None
-            and p.popen.poll() not in (None, 0)
-        ]  # fmt: skip
-        killed = [p for p in down if p.killed_by_us or (p.popen and p.popen.pid in external_kills)]
+
+        def down() -> list[Proc]:
+            return [
+                p
+                for p in self.learners
+                if not p.done and p.restart_at is None and p.popen is not None
+                and p.popen.poll() not in (None, 0)
+            ]  # fmt: skip
+
+        killed = [
+            p for p in down() if p.killed_by_us or (p.popen and p.popen.pid in external_kills)
+        ]
         if not killed:
             return
         self.events.append(
@@ -400,8 +405,11 @@ class LocalRun:
             proc.env["MASTER_PORT"] = str(port)
             if proc.alive():
                 proc.kill(self.events, "group_stop")
-            elif proc in down and proc not in killed:
-                # It died of its group's failure before it was stopped: stopped all the same.
+        # Ranks that died of their group's failure before they were stopped, also
+        # while this loop stopped the others (a rank sees a killed peer's socket
+        # close within milliseconds): stopped all the same, not crashes.
+        for proc in down():
+            if proc not in killed and not proc.killed_by_us:
                 proc.killed_by_us = True
                 self.events.append(
                     {"t": time.time(), "event": "process_kill", "process": proc.name,

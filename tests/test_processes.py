@@ -4,12 +4,16 @@ the launcher holds at the restart (a data-parallel group's new rendezvous port).
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from rich.console import Console
 
-from compose.processes import STANDBY_ENV, Proc
+from compose.local import LocalRun
+from compose.processes import STANDBY_ENV, Proc, Supervisor
 
 # What ``ddiloco learner`` does as a spare, in a few lines: wait for the line, go on.
 SCRIPT = f"""
@@ -64,3 +68,51 @@ def test_without_a_live_spare_a_restart_starts_fresh(tmp_path: Path) -> None:
         proc.kill(events, "shutdown")
         proc.close_spare()
         proc.close_files()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_dies_while_its_group_is_stopped_is_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Elastic data parallel: a rank is killed, and the launcher stops the others.
+    One of them saw its killed peer's socket close and exited with an error while
+    the launcher was still stopping another rank; it was taken for a crash, which
+    ends a data-parallel run (a goodput run failed so)."""
+    peer_gone = tmp_path / "peer-gone"
+    # A rank that exits with an error once its peer is gone, as gloo makes it.
+    failing = (
+        f"import os, sys, time\nwhile not os.path.exists({str(peer_gone)!r}): time.sleep(0.01)"
+        "\nsys.exit(2)"
+    )
+    sleeping = "import time; time.sleep(120)"
+    ranks = [
+        Proc(f"learner-{i}", [sys.executable, "-c", code], tmp_path / f"{i}.log")
+        for i, code in enumerate((sleeping, sleeping, failing))
+    ]
+    events: list[dict[str, Any]] = []
+    try:
+        for rank in ranks:
+            rank.start(events)
+        ranks[0].kill(events, "chaos")
+        stop_rank_1 = ranks[1].kill
+
+        def stopping_slowly(events: list[dict[str, Any]], reason: str) -> None:
+            peer_gone.touch()
+            popen = ranks[2].popen
+            assert popen is not None
+            popen.wait(timeout=30)  # rank 2 fails while rank 1 is being stopped
+            stop_rank_1(events, reason)
+
+        monkeypatch.setattr(ranks[1], "kill", stopping_slowly)
+        LocalRun._elastic_restart(SimpleNamespace(learners=ranks, events=events), set())  # type: ignore[arg-type]
+        assert ranks[2].popen is not None and ranks[2].popen.returncode == 2
+        stopped = [e["process"] for e in events if e.get("reason") == "group_stop"]
+        assert sorted(stopped) == ["learner-1", "learner-2"]
+        # Not a crash: the supervisor restarts the group instead of ending the run.
+        supervisor = Supervisor(ranks, [], events, 0.0, crash_is_fatal=True, console=Console())
+        supervisor.check(time.monotonic())
+        assert all(rank.crashes == 0 and rank.restart_at is not None for rank in ranks)
+    finally:
+        for rank in ranks:
+            rank.kill(events, "shutdown")
+            rank.close_files()
