@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--inputs", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results/fuzz.json")
+    ap.add_argument("--out", default="benchmarks/results/fuzz.json", help="the results JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.ERROR)  # refusals are expected here, by the thousand

@@ -177,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--smoke", action="store_true", help="CI: M=2, tiny model, one kill")
     which.add_argument("--quick", action="store_true", help="the full settings, seed 0 only")
-    ap.add_argument("--out", default="benchmarks/results/goodput")
+    ap.add_argument(
+        "--out",
+        default="benchmarks/results/goodput",
+        help="a folder: the summary JSON and PNG go in it, and each finished run in "
+        "its mode's subfolder, from which a rerun resumes",
+    )
     args = ap.parse_args(argv)
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     mode = MODES[name]

@@ -63,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--smoke", action="store_true", help="CI: 2 small learners, a minute")
     which.add_argument("--quick", action="store_true", help="4 learners, 144 steps")
-    ap.add_argument("--out", default="benchmarks/results/overlap")
+    ap.add_argument(
+        "--out",
+        default="benchmarks/results/overlap",
+        help="a folder: the summary JSON and PNG go in it, and each finished run in "
+        "its mode's subfolder, from which a rerun resumes",
+    )
     args = ap.parse_args(argv)
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     mode = MODES[name]

@@ -101,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--smoke", action="store_true", help="CI: M=2, tiny model, 20 steps")
     which.add_argument("--quick", action="store_true", help="the full settings, seed 0 only")
-    ap.add_argument("--out", default="benchmarks/results/quality")
+    ap.add_argument(
+        "--out",
+        default="benchmarks/results/quality",
+        help="a folder: the summary JSON and PNG go in it, and each finished run in "
+        "its mode's subfolder, from which a rerun resumes",
+    )
     ap.add_argument("--variant", help="a name for --decoupled's arguments, e.g. sparse")
     ap.add_argument("--decoupled", default="", help="ddiloco local arguments of decoupled only")
     ap.add_argument("extra", nargs="*", help="arguments passed to every ddiloco local run")

@@ -485,7 +485,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="CI: short horizon, stored fit")
     mode.add_argument("--quick", action="store_true", help="shorter horizon")
-    ap.add_argument("--out", default="benchmarks/results/simulate")
+    ap.add_argument(
+        "--out",
+        default="benchmarks/results/simulate",
+        help="a folder for simulate.json and its two PNGs",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     mode_name = "smoke" if args.smoke else "quick" if args.quick else "full"

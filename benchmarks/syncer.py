@@ -144,7 +144,11 @@ def measure(mib: int, delta_codec: Codec, global_codec: Codec, repeats: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/syncer.json")
+    ap.add_argument(
+        "--out",
+        default="benchmarks/results/syncer.json",
+        help="the results JSON; its PNG is written beside it",
+    )
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--smoke", action="store_true", help="CI: 4 MB fragments")
     which.add_argument("--quick", action="store_true", help="64 MB fragments, 3 rounds each")

@@ -263,7 +263,11 @@ def _result(backend: str, size_bytes: int, count: int, elapsed: float) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/transport.json")
+    ap.add_argument(
+        "--out",
+        default="benchmarks/results/transport.json",
+        help="the results JSON; its PNG is written beside it",
+    )
     ap.add_argument("--backends", default="zmq,redis")
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--smoke", action="store_true", help="CI: 1 MB, 32 MB, one pair")

@@ -202,7 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--smoke", action="store_true", help="CI: M=2, tiny model, 20 steps")
     which.add_argument("--quick", action="store_true", help="150 steps, 10 Mbit/s only")
-    ap.add_argument("--out", default="benchmarks/results/wan")
+    ap.add_argument(
+        "--out",
+        default="benchmarks/results/wan",
+        help="a folder: the summary JSON and PNG go in it, and each finished run in "
+        "its mode's subfolder, from which a rerun resumes",
+    )
     ap.add_argument("extra", nargs="*", help="arguments passed to every ddiloco local run")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
