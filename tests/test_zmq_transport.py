@@ -75,6 +75,16 @@ def global_fragment(fragment: int, version: int) -> GlobalFragment:
     )
 
 
+def wait_subscribed(syncer: ZmqSyncerTransport, learner: ZmqLearnerTransport) -> None:
+    """Publish version 1 of fragment 0 until the learner's subscription takes it."""
+
+    def first() -> bool:
+        syncer.publish(global_fragment(0, 1))
+        return bool(take_globals(learner, 0.05))
+
+    wait_until(first, 10, what="subscription to connect")
+
+
 class Consumer:
     """tests/transport_consumer.py as a real process that can be SIGKILLed."""
 
@@ -298,12 +308,7 @@ def test_subscriber_that_missed_messages_notices_the_gap_and_resyncs() -> None:
     learner = ZmqLearnerTransport([bind], RUN, "gappy", 1, 1)
     try:
         learner._subs[0].setsockopt(zmq.RCVHWM, 1)  # drop freely on the receive side too
-
-        def first() -> bool:
-            syncer.publish(global_fragment(0, 1))
-            return bool(take_globals(learner, 0.05))
-
-        wait_until(first, 10, what="subscription to connect")
+        wait_subscribed(syncer, learner)
         for version in range(2, 2001):
             syncer.publish(global_fragment(0, version))
         seen: list[int] = []
@@ -331,12 +336,7 @@ def test_every_version_that_arrived_between_two_polls_is_offered() -> None:
     syncer = ZmqSyncerTransport(bind, RUN, [0])
     learner = ZmqLearnerTransport([bind], RUN, "busy", 1, 1)
     try:
-
-        def first() -> bool:
-            syncer.publish(global_fragment(0, 1))
-            return bool(take_globals(learner, 0.05))
-
-        wait_until(first, 10, what="subscription to connect")
+        wait_subscribed(syncer, learner)
         for version in range(2, 14):
             syncer.publish(global_fragment(0, version))
         time.sleep(0.3)  # all of them reach the learner's socket before it polls
