@@ -4,7 +4,7 @@
                          sync_every=12, delta_codec="int4") as sync:
         for batch in loader:
             loss = ...; loss.backward(); opt.step(); opt.zero_grad()
-            sync.step(weight=n)   # once per optimizer step; never blocks
+            sync.step(weight=n)   # once per optimizer step; never waits on the network
 
 Entering the context joins the run: it loads the current global model (or,
 with ``load_global=False``, keeps the weights as given). ``step()`` then does
