@@ -193,6 +193,14 @@ class _TensorMessage(Message):
         except CodecError as e:
             raise WireError("bad_payload", str(e)) from None
 
+    def quantised(self) -> Any:
+        """The payload's quantised bytes, out of its lossless stage and size-checked
+        (:meth:`broker.codecs.Codec.quantised`), for code that reads the codes."""
+        try:
+            return self.codec.quantised(self.payload, self.numel)
+        except CodecError as e:
+            raise WireError("bad_payload", str(e)) from None
+
 
 @dataclass(frozen=True)
 class Delta(_TensorMessage):

@@ -40,12 +40,15 @@ class VersionHistory:
         self.depth = depth
         self._versions: OrderedDict[int, torch.Tensor] = OrderedDict()
 
-    def push(self, version: int, weights: torch.Tensor) -> None:
+    def push(self, version: int, weights: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """Keep ``weights`` as ``version``; returns the versions no longer kept."""
         if self._versions and version <= self.current_version:
             raise ValueError(f"version {version} is not newer than {self.current_version}")
         self._versions[version] = weights
+        dropped = []
         while len(self._versions) > self.depth:
-            self._versions.popitem(last=False)
+            dropped.append(self._versions.popitem(last=False))
+        return dropped
 
     @property
     def current_version(self) -> int:

@@ -13,15 +13,18 @@ version was published, and that must hold across a syncer restart.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
+import numpy as np
 import torch
 
 from broker.codecs import Codec, apply_change
 from broker.wire import Delta, weights_checksum
+from syncer import kernels
 from syncer.aggregation import (
     SAFE_MAGNITUDE,
     StaleDelta,
@@ -83,18 +86,59 @@ class AggregationParams:
     absent_wait_s: float = math.inf
 
 
+@dataclass(frozen=True)
+class PackedDelta:
+    """A delta kept as its int2 codes and scales (:func:`syncer.kernels.unpack_int2`):
+    the compiled close (:func:`syncer.kernels.close_int2`) decodes it where it
+    merges it, so it never becomes a fragment of fp32 values in memory."""
+
+    scales: np.ndarray  # float32, one per block
+    codes: np.ndarray  # uint8, four per byte
+    norm: float  # of the values it decodes to, times ``factor``
+    magnitude: float  # their largest magnitude, inf if one is not finite
+    numel: int
+    factor: float = 1.0  # quarantine clipping scales a delta
+
+    @classmethod
+    def of(cls, delta: Delta) -> PackedDelta:
+        """WireError if the payload does not decode."""
+        raw = np.frombuffer(delta.quantised(), dtype=np.uint8)
+        scales, codes = kernels.unpack_int2(raw, delta.numel)
+        squares, largest = kernels.int2_stats(scales, codes)
+        return cls(scales, codes, math.sqrt(squares), largest, delta.numel)
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.numel,)
+
+    def scaled(self, factor: float) -> PackedDelta:
+        return replace(
+            self,
+            norm=self.norm * factor,
+            magnitude=self.magnitude * factor,
+            factor=self.factor * factor,
+        )
+
+
 @dataclass
 class _Contribution:
     learner: str
     key: tuple[int, int]  # (incarnation, seq)
     base_version: int
-    delta: torch.Tensor  # as sent: clipping scales it, then it is rebased on close
+    delta: torch.Tensor | PackedDelta  # as sent: clipping scales it, then it is rebased on close
     norm_per_step: float
     weight: float
     c_tokens: int
     c_steps: int
     step: int  # the learner's step when it sent the delta
     ref: Any
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The delta as a tensor: each is one, unless the compiled close merges it."""
+        if isinstance(self.delta, PackedDelta):
+            raise TypeError("a packed delta is only merged by the compiled close")
+        return self.delta
 
 
 @dataclass
@@ -144,10 +188,16 @@ class Publication:
 
 
 def _fp32_bytes(weights: torch.Tensor) -> Payload:
-    """A read-only view of fp32 weights' own bytes, no copy (versions are replaced,
-    never modified in place, so the view stays valid as long as it is held)."""
+    """A read-only view of fp32 weights' own bytes, no copy (a version's memory is
+    only written again once no such view of it is left: FragmentState._push)."""
     flat = weights.detach().reshape(-1).to("cpu", torch.float32).contiguous()
     return flat.numpy().data.cast("B").toreadonly()
+
+
+def _unshared(tensor: torch.Tensor) -> bool:
+    """Whether nothing references ``tensor`` but the caller's one name (CPython's
+    count: that name, this call's argument and getrefcount's)."""
+    return sys.getrefcount(tensor) <= 3
 
 
 def canonical(
@@ -212,14 +262,38 @@ class FragmentState:
         self.numel = weights.numel()
         self.master = weights.detach().to(torch.float32).clone()
         self.history = VersionHistory(params.staleness)
+        # Views of each kept version's memory handed out (its fp32 bytes), so that
+        # a version is only recycled once none is left (_push).
+        self._views: dict[int, list[weakref.ref[Any]]] = {}
         published, self.publication = canonical(self.codec, self.master)
+        self._viewed(version, self.publication)
         self.history.push(version, published)
         # Wall-clock time each kept version was published (for the step bound).
         self.published_at: dict[int, float] = {version: published_s}
         self.momentum: torch.Tensor | None = None
-        # The momentum buffer before the last step, written over by the next one
-        # (the new buffer cannot be the old one: an overflowing step keeps it).
+        # The momentum buffer and master before the last step, written over by
+        # the next one (the new buffer cannot be the old one: an overflowing step
+        # keeps it).
         self._spare_momentum: torch.Tensor | None = None
+        self._spare_master: torch.Tensor | None = None
+        # A version no longer kept, whose memory the next compiled close writes the
+        # new version into: fresh memory costs page faults, more than the close.
+        self._spare_version: torch.Tensor | None = None
+        # int2 globals merged by the mean: rounds close in one compiled pass
+        # (:mod:`syncer.kernels`), and int2 deltas with the globals' blocks are
+        # kept packed until then.
+        self._compiled = (
+            params.aggregation == "mean"
+            and self.codec.quant == "int2"
+            and not self.codec.sparse
+            and self.codec.block_size == kernels.BLOCK
+        )
+        if self._compiled:
+            kernels.warm_up()
+        # Largest magnitudes of the master and of kept versions, for the bound
+        # on a shift that the compiled close checks instead of making the shift.
+        self._master_magnitude: float | None = None
+        self._magnitudes: dict[int, float] = {}
         # Buffers that deltas decode into (:meth:`decode`), reused round after
         # round: a new tensor per delta costs more in page faults than the
         # decoding. A buffer comes back when its offer is not kept, or its
@@ -260,7 +334,16 @@ class FragmentState:
         if not self.publication.is_change:
             return self.publication
         # The same version as the change: its checksum is known already.
-        return Publication(_fp32_bytes(self.weights), FP32, False, self.publication.weights_crc)
+        payload = _fp32_bytes(self.weights)
+        return self._viewed(
+            self.version, Publication(payload, FP32, False, self.publication.weights_crc)
+        )
+
+    def _viewed(self, version: int, publication: Publication) -> Publication:
+        """``publication``, noting that its payload views ``version``'s memory if it does."""
+        if isinstance(publication.payload, memoryview):
+            self._views.setdefault(version, []).append(weakref.ref(publication.payload.obj))
+        return publication
 
     @property
     def pending_learners(self) -> list[str]:
@@ -283,13 +366,17 @@ class FragmentState:
             return HELD
         return None
 
-    def decode(self, delta: Delta) -> torch.Tensor:
+    def decode(self, delta: Delta) -> torch.Tensor | PackedDelta:
         """The delta's payload decoded, into one of this fragment's buffers when
-        it has the fragment's size; give the tensor to :meth:`offer`, which
+        it has the fragment's size, or packed (:class:`PackedDelta`) when the
+        compiled close will merge it; give the result to :meth:`offer`, which
         takes the buffer back unless it keeps the delta. WireError if it does
         not decode."""
         if delta.numel != self.numel:
             return delta.tensor()  # offer refuses it (bad_shape)
+        codec = delta.codec
+        if self._compiled and codec == Codec("int2", codec.lossless, kernels.BLOCK):
+            return PackedDelta.of(delta)
         buffer = self._free.pop() if self._free else self._new_buffer()
         try:
             delta.tensor(out=buffer)
@@ -303,7 +390,7 @@ class FragmentState:
         self._pooled[id(buffer)] = weakref.ref(buffer)
         return buffer
 
-    def _release(self, tensor: torch.Tensor) -> None:
+    def _release(self, tensor: torch.Tensor | PackedDelta) -> None:
         """Take back a buffer of :meth:`decode` (any other tensor is left alone)."""
         ref = self._pooled.get(id(tensor))
         if ref is not None and ref() is tensor:
@@ -312,7 +399,7 @@ class FragmentState:
     def offer(
         self,
         delta: Delta,
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | PackedDelta,
         ref: Any,
         now: float,
         *,
@@ -333,7 +420,7 @@ class FragmentState:
     def _admit(
         self,
         delta: Delta,
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | PackedDelta,
         ref: Any,
         now: float,
         wall_s: float,
@@ -346,14 +433,17 @@ class FragmentState:
             return "wrong_epoch"  # based on another syncer lineage: the learner resyncs
         if tensor.shape != self.weights.shape:
             return "bad_shape"
-        norm = l2_norm(tensor)
-        magnitude = magnitude_below(norm, tensor)
+        if isinstance(tensor, PackedDelta):
+            norm, magnitude = tensor.norm, tensor.magnitude
+        else:
+            norm = l2_norm(tensor)
+            magnitude = magnitude_below(norm, tensor)
         if math.isinf(magnitude):
             return "non_finite"
         if delta.c_tokens == 0 or delta.c_steps == 0:
             return "empty"
         try:
-            _, shift_magnitude = self._shift(delta.base_version)
+            shift_magnitude = self._shift_magnitude(delta.base_version)
         except StaleDelta as e:
             return e.reason
         impossible = check_report(
@@ -426,16 +516,17 @@ class FragmentState:
         weights = clip_weights([c.weight for c in kept], self.params.weight_clip)
         share = len(kept) / learners if len(kept) < learners else None  # kept is not empty
         try:
-            master, momentum = self._step(kept, weights, share)
+            step = self._compiled_step if self._compiled else self._step
+            stepped = step(kept, weights, share)
         finally:
             self._release_all(contributions)
-        if math.isinf(magnitude_below(l2_norm(master), master)):
+        if stepped is None:
             # Finite inputs can still overflow; never publish a broken model.
             raise RoundOverflow(f"fragment {self.fragment}: outer step overflowed", refs)
-        self._spare_momentum = self.momentum
+        master, momentum, published, self.publication = stepped
+        self._spare_momentum, self._spare_master = self.momentum, self.master
         self.master, self.momentum = master, momentum
         self._shifts = {}
-        published, self.publication = canonical(self.codec, self.master, self.weights)
         self._push(published, wall_s)
         for c in kept:
             self.applied[c.learner] = max(c.key, self.applied.get(c.learner, c.key))
@@ -475,7 +566,11 @@ class FragmentState:
         if p.quarantine_action == "refuse":
             return [c for c in contributions if c.norm_per_step <= bar], [], outliers
         for c in outliers:
-            scaled = c.delta * (bar / c.norm_per_step)  # not in place: it may be the caller's
+            factor = bar / c.norm_per_step
+            if isinstance(c.delta, PackedDelta):
+                scaled: torch.Tensor | PackedDelta = c.delta.scaled(factor)
+            else:
+                scaled = c.delta * factor  # not in place: it may be the caller's
             self._release(c.delta)
             c.delta, c.norm_per_step = scaled, bar
         return contributions, outliers, []
@@ -498,11 +593,108 @@ class FragmentState:
                 self._shifts[version] = (shift, max_abs(shift))
         return self._shifts[version]
 
+    def _shift_magnitude(self, version: int) -> float:
+        """The largest magnitude of ``master - Theta(version)``, or, for the
+        compiled close, which makes no shift tensor, a bound on it: the sum of
+        both largest magnitudes (StaleDelta for a version not kept)."""
+        if not self._compiled:
+            return self._shift(version)[1]
+        base = self.history.get(version)
+        if base is self.master:
+            return 0.0
+        if self._master_magnitude is None:
+            self._master_magnitude = max_abs(self.master)
+        return self._master_magnitude + self._version_magnitude(version)
+
+    def _version_magnitude(self, version: int) -> float:
+        """The largest magnitude of a kept version, or a bound on it."""
+        if version not in self._magnitudes:
+            self._magnitudes[version] = max_abs(self.history.get(version))
+        return self._magnitudes[version]
+
+    def _compiled_step(
+        self, kept: list[_Contribution], weights: list[float], share: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Publication] | None:
+        """:meth:`_step` for int2 globals merged by the mean, in one compiled pass
+        (:func:`syncer.kernels.close_int2`); None if the step overflowed."""
+        p = self.params
+        fractions = normalised_weights(weights, len(kept))
+        packed: list[PackedDelta] = []
+        factors: list[float] = []
+        rebase = 0.0  # the weight of the deltas on the current version
+        dense: dict[int, tuple[torch.Tensor, float]] = {}  # other deltas, older bases' shifts
+        for c, fraction in zip(kept, fractions, strict=True):
+            if isinstance(c.delta, PackedDelta):
+                packed.append(c.delta)
+                factors.append(fraction * c.delta.factor)
+            else:
+                dense[id(c.delta)] = (c.delta, fraction)
+            if c.base_version == self.version:
+                rebase += fraction
+            else:
+                shift = self._shift(c.base_version)[0]
+                assert shift is not None  # only the current version can be the master
+                _, total = dense.get(id(shift), (shift, 0.0))
+                dense[id(shift)] = (shift, total + fraction)
+        merged_dense = torch.zeros(self.numel if dense else 0, dtype=torch.float32)
+        for tensor, fraction in dense.values():
+            merged_dense.add_(tensor, alpha=fraction)
+        blocks = kernels.padded_blocks(self.numel)
+        scales = np.empty((len(packed), blocks), dtype=np.float32)
+        codes = np.empty((len(packed), blocks * kernels.BLOCK // 4), dtype=np.uint8)
+        for m, (delta, factor) in enumerate(zip(packed, factors, strict=True)):
+            np.multiply(delta.scales, np.float32(factor), out=scales[m])
+            codes[m] = delta.codes
+        master = self._reusable("_spare_master")
+        momentum = self._reusable("_spare_momentum")
+        version = self._reusable("_spare_version")
+        new_scales = np.empty(blocks, dtype=np.float32)
+        new_codes = np.empty(blocks * kernels.BLOCK // 4, dtype=np.uint8)
+        no_momentum = torch.empty(0, dtype=torch.float32)
+        finite, largest_change, largest_scale = kernels.close_int2(
+            scales,
+            codes,
+            merged_dense.numpy(),
+            np.float32(rebase),
+            np.float32(1.0 if share is None else share),
+            np.float32(p.outer_lr),
+            np.float32(p.outer_momentum),
+            self.master.numpy(),
+            (no_momentum if self.momentum is None else self.momentum).numpy(),
+            self.weights.numpy(),
+            master.numpy(),
+            momentum.numpy(),
+            version.numpy(),
+            new_scales,
+            new_codes,
+        )
+        if not finite:
+            return None
+        # Bounds, not maxima: |new| <= |previous| + |new - previous|.
+        previous_magnitude = self._version_magnitude(self.version)
+        self._master_magnitude = previous_magnitude + float(largest_change)
+        self._magnitudes[self.version + 1] = previous_magnitude + float(largest_scale)
+        change = kernels.pack_int2(new_scales, new_codes, self.numel)
+        publication = Publication(
+            self.codec.compressed(change.data), self.codec, True, weights_checksum(version)
+        )
+        return master, momentum, version, publication
+
+    def _reusable(self, name: str) -> torch.Tensor:
+        """The spare tensor of attribute ``name``, taken, to write new values into;
+        a new one if there is none or anything else holds it (the first version
+        is the master itself; a caller may hold the momentum)."""
+        spare = getattr(self, name)
+        setattr(self, name, None)
+        if spare is None or not _unshared(spare):
+            return torch.empty(self.numel, dtype=torch.float32)
+        return spare
+
     def _step(
         self, kept: list[_Contribution], weights: list[float], share: float | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Publication] | None:
         """The merged update (times ``share``, if any) and the outer step on it:
-        new (master, momentum).
+        new (master, momentum, version, publication); None if the step overflowed.
 
         The mean merges and steps chunk by chunk, so the merged update is never
         a whole fragment in memory and each chunk is still in the cache when
@@ -521,7 +713,7 @@ class FragmentState:
         for start in range(0, self.numel, _CHUNK_VALUES):
             part = slice(start, start + _CHUNK_VALUES)
             if merged is None:
-                deltas = [c.delta[part] for c in kept]
+                deltas = [c.tensor[part] for c in kept]
                 # One slice per shift tensor: deltas on one base share it.
                 sliced = {id(s): s[part] for s in shifts if s is not None}
                 parts = [None if s is None else sliced[id(s)] for s in shifts]
@@ -533,7 +725,10 @@ class FragmentState:
             old = None if self.momentum is None else self.momentum[part]
             out = (master[part], momentum[part])
             nesterov_step(self.master[part], grad, old, p.outer_lr, p.outer_momentum, out)
-        return master, momentum
+        if math.isinf(magnitude_below(l2_norm(master), master)):
+            return None
+        version, publication = canonical(self.codec, master, self.weights)
+        return master, momentum, version, publication
 
     def _release_all(self, contributions: list[_Contribution]) -> None:
         for c in contributions:
@@ -544,9 +739,10 @@ class FragmentState:
     ) -> torch.Tensor:
         """The robust aggregators' merged update, over whole fragments."""
         aggregation = self.params.aggregation
+        deltas = [c.tensor for c in kept]
         grads = [
-            c.delta + 0.0 if shift is None else shift + c.delta  # + 0.0: as a zero shift adds
-            for shift, c in zip(shifts, kept, strict=True)
+            delta + 0.0 if shift is None else shift + delta  # + 0.0: as a zero shift adds
+            for shift, delta in zip(shifts, deltas, strict=True)
         ]
         if aggregation == "radial":
             return radial_directional_mean(grads, weights)
@@ -558,10 +754,16 @@ class FragmentState:
 
     def _push(self, weights: torch.Tensor, wall_s: float) -> None:
         """Keep ``weights`` as the next version, published at ``wall_s``."""
-        self.history.push(self.version + 1, weights)
+        dropped = self.history.push(self.version + 1, weights)
+        while dropped:
+            version, old = dropped.pop()
+            viewed = any(view() is not None for view in self._views.pop(version, []))
+            if self._compiled and not viewed and old is not self.master and _unshared(old):
+                self._spare_version = old
         self.published_at[self.version] = wall_s
         kept = {v for v, _ in self.history.items()}
         self.published_at = {v: t for v, t in self.published_at.items() if v in kept}
+        self._magnitudes = {v: m for v, m in self._magnitudes.items() if v in kept}
 
     def _new_tokens(self, contributions: list[_Contribution]) -> int:
         """Tokens whose updates reach the global model for the first time in this round.
@@ -629,7 +831,9 @@ class FragmentState:
         self.master = (history.current if master is None else master).to(torch.float32).clone()
         self._shifts = {}
         self.momentum = None if momentum is None else momentum.to(torch.float32).clone()
-        self._spare_momentum = None
+        self._spare_momentum = self._spare_master = self._spare_version = None
+        self._views = {}
+        self._master_magnitude, self._magnitudes = None, {}
         self.epoch = int(meta.get("epoch", self.epoch))
         self.applied = {k: (int(v[0]), int(v[1])) for k, v in meta["applied"].items()}
         self.merged_step = {k: int(v) for k, v in meta.get("merged_step", {}).items()}
@@ -639,4 +843,4 @@ class FragmentState:
         self.published_at = {v: published_at.get(v, 0.0) for v in versions}
         self.recent_norms.clear()
         self.recent_norms.extend(float(x) for x in meta.get("recent_norms", []))
-        self.publication = _as_weights(self.weights)
+        self.publication = self._viewed(self.version, _as_weights(self.weights))

@@ -1,0 +1,303 @@
+"""The close of a round with ternary (int2) deltas and changes, in one compiled pass.
+
+Pure math, no I/O. With int2 globals, a round's close decodes each delta,
+merges them (weighted and rebased), takes the Nesterov outer step, quantises
+the change of the new master from the published version, and adds the
+decoded change to that version. As a torch pass per stage, every
+fragment-sized tensor crosses memory a dozen times: 0.04 of a memory copy's
+speed. Here one pass does all of it a block of 64 values at a time, while
+the block is in registers and L1: the master, momentum and version are read
+once and written once, and the deltas never leave their packed codes.
+
+The bytes out are exactly those of ``Codec.encode(change, fit_scales=True)``
+(broker/codecs.py; tests/test_kernels.py checks both against each other): the
+same largest magnitude, bf16 rounding, division and round half to even, and
+least-squares scales summed in float64, where every order of the sum gives
+the same result. So the new version is ``previous + Codec.decode(payload)``
+bit for bit, as every learner builds it.
+
+Layout of an int2 payload (before the lossless stage): bf16 scales, one per
+block, then the codes, four per byte, lowest bits first, stored as q + 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+# Every kernel: cache (compiled once per machine, not in every process that
+# closes a round), nogil, and error_model numpy (a division by zero is inf or
+# NaN, as in torch, not a check per division that keeps loops from vectorising).
+_ABS_BITS = np.uint32(0x7FFFFFFF)
+_EXPONENT_BITS = np.uint32(0x7F800000)
+
+
+BLOCK = 64  # values per block of the payloads the compiled close reads and writes
+TILE = 64 * BLOCK  # values per tile: its scratch (about 100 KiB) stays in the cache
+TILE_BLOCKS = TILE // BLOCK
+TILE_BYTES = TILE // 4  # of int2 codes
+_ZERO_FIELDS = np.uint64(0xAAAAAAAAAAAAAAAA)  # 0b10 in every field: 32 zero codes
+_PAIRS = np.uint64(0x5555555555555555)
+_NIBBLES = np.uint64(0x3333333333333333)
+_BYTES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_ONES = np.uint64(0x0101010101010101)
+
+
+def padded_blocks(numel: int) -> int:
+    """Blocks of the scale arrays of :func:`close_int2` for ``numel`` values: whole tiles."""
+    return -(-numel // TILE) * TILE_BLOCKS
+
+
+def unpack_int2(raw: np.ndarray, numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """An int2 payload of ``numel`` values (blocks of :data:`BLOCK`) as
+    :func:`close_int2` reads it: its scales as float32 and its packed codes,
+    both padded to whole tiles with zeros (zero scales, zero codes). The last
+    byte's unused fields become zero codes too: a payload may hold anything
+    there, and nothing decodes it."""
+    blocks = -(-numel // BLOCK)
+    head = 2 * blocks
+    scales = np.zeros(padded_blocks(numel), dtype=np.float32)
+    scales[:blocks] = (raw[:head].view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+    codes = np.full(scales.size * BLOCK // 4, 0xAA, dtype=np.uint8)
+    body = raw[head:]
+    codes[: body.size] = body
+    if numel % 4:
+        used = (1 << (2 * (numel % 4))) - 1
+        codes[body.size - 1] = (body[-1] & used) | (0xAA & ~used)
+    return scales, codes
+
+
+def pack_int2(scales: np.ndarray, codes: np.ndarray, numel: int) -> np.ndarray:
+    """:func:`close_int2`'s ``new_scales`` and ``new_codes`` as an int2 payload
+    (before the lossless stage)."""
+    blocks = -(-numel // BLOCK)
+    head = 2 * blocks
+    raw = np.empty(head + -(-numel // 4), dtype=np.uint8)
+    raw[:head].view("<u2")[:] = scales[:blocks].view(np.uint32) >> np.uint32(16)
+    raw[head:] = codes[: raw.size - head]
+    return raw
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _bits_as_float(bits: np.uint32) -> np.float32:
+    word = np.uint32(bits)
+    return word.view(np.float32)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _bf16(x: np.float32) -> np.float32:
+    """``x`` rounded to bfloat16 (to nearest, ties to even), back in float32:
+    what ``torch.Tensor.to(torch.bfloat16)`` does."""
+    if x != x:
+        return np.float32(np.nan)
+    bits = np.float32(x).view(np.uint32)
+    bias = np.uint32(np.uint32(0x7FFF) + np.uint32((bits >> np.uint32(16)) & np.uint32(1)))
+    return _bits_as_float(np.uint32(np.uint32(bits + bias) & np.uint32(0xFFFF0000)))
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+def int2_stats(scales: np.ndarray, codes: np.ndarray) -> tuple[float, float]:
+    """(sum of squares, largest magnitude) of the values of :func:`unpack_int2`'s
+    ``scales`` and ``codes``, from a count of nonzero codes per block; both inf
+    when a scale is not finite (0 x inf decodes to NaN)."""
+    words = codes.view(np.uint64)  # a block's 64 codes are two words
+    squares = 0.0
+    for b in range(scales.size):
+        scale = np.float64(scales[b])
+        squares += scale * scale * (_nonzero(words[2 * b]) + _nonzero(words[2 * b + 1]))
+    if not math.isfinite(squares):
+        return math.inf, math.inf
+    largest = np.uint32(0)
+    for bits in scales.view(np.uint32):
+        largest = max(largest, np.uint32(bits & _ABS_BITS))
+    return squares, np.float64(_bits_as_float(largest))
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _nonzero(word: np.uint64) -> np.uint64:
+    """How many of a word's 32 int2 codes are not zero (0b10)."""
+    flipped = word ^ _ZERO_FIELDS
+    fields = (flipped | (flipped >> np.uint64(1))) & _PAIRS  # one bit per nonzero field
+    fours = (fields & _NIBBLES) + ((fields >> np.uint64(2)) & _NIBBLES)
+    eights = (fours + (fours >> np.uint64(4))) & _BYTES
+    return (eights * _ONES) >> np.uint64(56)
+
+
+# reassoc: lets sums be vectorised. Nothing that must be exact depends on the
+# order of a sum: the change's codes and scales, and so the new version, come
+# from divisions, roundings, integer maxima and float64 sums that are exact in
+# any order (_exact_dot); only the master's last bits do, and it stays here.
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+def close_int2(
+    scales: np.ndarray,
+    codes: np.ndarray,
+    dense: np.ndarray,
+    rebase: np.float32,
+    share: np.float32,
+    lr: np.float32,
+    mu: np.float32,
+    master: np.ndarray,
+    momentum: np.ndarray,
+    previous: np.ndarray,
+    new_master: np.ndarray,
+    new_momentum: np.ndarray,
+    new_version: np.ndarray,
+    new_scales: np.ndarray,
+    new_codes: np.ndarray,
+) -> tuple[bool, np.float32, np.float32]:
+    """One outer step of a fragment, and the int2 change that publishes it.
+
+    The update is ``sum_m delta_m + dense + rebase * (master - previous)``,
+    times ``share``. Delta m is ``codes[m]`` (int2 codes, four per byte as in a
+    payload) times ``scales[m]`` (one per block of :data:`BLOCK`, already times
+    the delta's weight); ``dense`` (empty for none) holds everything else,
+    already weighted (deltas of other codecs, shifts of older bases);
+    ``rebase`` is the weight of the deltas on ``previous``, the current
+    version. Then ``b = mu * momentum + update`` (``update`` alone when
+    ``momentum`` is empty), ``new_master = master - lr * (update + mu * b)``,
+    and the change ``new_master - previous`` is quantised into ``new_scales``
+    (least-squares, bf16-rounded) and ``new_codes``; ``new_version =
+    previous + decoded change``. ``codes`` and ``new_codes`` hold whole tiles
+    (:data:`TILE` values; the padding of ``new_codes`` is zero codes),
+    ``scales`` and ``new_scales`` one scale per block of them.
+
+    Returns (the change is finite, its largest magnitude, the largest
+    magnitude of its decoded values). Published versions are finite, so a
+    change that is not finite is a master that is not, or one so far from the
+    version that their difference overflows: either way, nothing to publish.
+    """
+    numel = master.size
+    deltas = codes.shape[0]
+    has_momentum, has_dense = momentum.size > 0, dense.size > 0
+    scratch = np.zeros((4, TILE), np.float32)  # update, change, codes; the last tile's version
+    fields = np.zeros(TILE // 4, np.uint32)  # a tile's 2-bit fields, a byte each
+    tops = np.zeros(2, np.uint32)  # largest magnitudes (as bits) of the change, and of a scale
+    padded = np.zeros((6, TILE), np.float32)  # the last tile's inputs and outputs
+    for start in range(0, numel, TILE):
+        count = min(TILE, numel - start)
+        end = start + count
+        if count == TILE:
+            inputs = (master[start:end], previous[start:end], momentum[start:end], dense[start:end])
+            outputs = (new_master[start:end], new_momentum[start:end], new_version[start:end])
+        else:  # past the end, zeros (and zero codes): a zero update and change there
+            padded[:] = 0.0
+            padded[0, :count] = master[start:]
+            padded[1, :count] = previous[start:]
+            if has_momentum:
+                padded[2, :count] = momentum[start:]
+            if has_dense:
+                padded[3, :count] = dense[start:]
+            inputs = (padded[0], padded[1], padded[2], padded[3])
+            outputs = (padded[4], padded[5], scratch[3])
+        _close_tile(
+            inputs,
+            outputs,
+            (scales, codes, new_scales, new_codes, start // BLOCK),
+            (rebase, share, lr, mu),
+            (deltas, has_momentum, has_dense),
+            scratch,
+            fields,
+            tops,
+        )
+        if count < TILE:
+            new_master[start:] = padded[4, :count]
+            new_momentum[start:] = padded[5, :count]
+            new_version[start:] = scratch[3, :count]
+    finite = np.uint32(tops[0] & _EXPONENT_BITS) != _EXPONENT_BITS  # NaN's bits are the largest
+    return finite, _bits_as_float(tops[0]), _bits_as_float(tops[1])
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"}, inline="always")
+def _close_tile(inputs, outputs, blocks, factors, shape, scratch, fields, tops):
+    """One tile of :func:`close_int2`, from block ``first`` on: every loop runs
+    over the whole tile or a whole block, a constant length, so is vectorised."""
+    weights, base, momentum, dense = inputs
+    stepped, buffers, version = outputs
+    scales, codes, new_scales, new_codes, first = blocks
+    rebase, share, lr, mu = factors
+    deltas, has_momentum, has_dense = shape
+    update, moved, levels = scratch[0], scratch[1], scratch[2]
+    field_bytes = fields.view(np.uint8)
+    # -- the merged update
+    for j in range(TILE):
+        update[j] = rebase * (weights[j] - base[j])
+    if has_dense:
+        for j in range(TILE):
+            update[j] += dense[j]
+    for m in range(deltas):
+        # Each byte's four fields spread to a byte each, with the same shifts for
+        # every byte.
+        for k in range(TILE_BYTES):
+            packed = np.uint32(codes[m, first * (BLOCK // 4) + k])
+            fields[k] = (packed | (packed << 6) | (packed << 12) | (packed << 18)) & 0x03030303
+        for b in range(TILE_BLOCKS):
+            scale = scales[m, first + b]
+            for j in range(b * BLOCK, b * BLOCK + BLOCK):
+                update[j] += (np.float32(field_bytes[j]) - np.float32(2.0)) * scale
+    # -- the outer step, and the change from the published version
+    if has_momentum:
+        for j in range(TILE):
+            step = update[j] * share
+            buffer = mu * momentum[j] + step
+            value = weights[j] - lr * (step + mu * buffer)
+            stepped[j] = value
+            buffers[j] = buffer
+            moved[j] = value - base[j]
+    else:
+        for j in range(TILE):
+            step = update[j] * share
+            value = weights[j] - lr * (step + mu * step)
+            stepped[j] = value
+            buffers[j] = step
+            moved[j] = value - base[j]
+    # -- each block's codes and least-squares scale (Codec._scaled_codes)
+    moved_bits = moved.view(np.uint32)
+    for b in range(TILE_BLOCKS):
+        low = b * BLOCK
+        largest = np.uint32(0)
+        for j in range(low, low + BLOCK):
+            largest = max(largest, np.uint32(moved_bits[j] & _ABS_BITS))
+        tops[0] = max(tops[0], largest)
+        absmax = _bf16(_bits_as_float(largest))
+        safe = absmax if absmax > 0 else np.float32(1.0)
+        energy = np.float32(0.0)
+        dot = 0.0
+        for j in range(low, low + BLOCK):
+            level = min(max(np.rint(moved[j] / safe), np.float32(-1.0)), np.float32(1.0))
+            levels[j] = level
+            energy += level * level
+            dot += np.float64(moved[j]) * np.float64(level)
+        scale = _bf16(np.float32(dot / energy)) if energy > 0 else absmax
+        new_scales[first + b] = scale
+        tops[1] = max(tops[1], np.uint32(np.float32(abs(scale)).view(np.uint32)))
+        for j in range(low, low + BLOCK):
+            version[j] = base[j] + levels[j] * scale
+    # -- the codes, packed: the inverse of the spreading above
+    for j in range(TILE):
+        field_bytes[j] = np.uint8(np.int32(levels[j]) + 2)
+    for k in range(TILE_BYTES):
+        spread = fields[k]
+        packed = (spread | (spread >> 6) | (spread >> 12) | (spread >> 18)) & 0xFF
+        new_codes[first * (BLOCK // 4) + k] = np.uint8(packed)
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) every kernel, with the argument types the
+    syncer passes, once per process: a syncer's first round would otherwise wait
+    for the compiler (6 s on 2 cores; 0.4 s to load from the cache)."""
+    if close_int2.signatures:
+        return
+    numel = 5
+    one = np.float32(1.0)
+    values = np.zeros(numel, dtype=np.float32)
+    raw = np.full(2 + 2, 0xAA, dtype=np.uint8)
+    scales, codes = unpack_int2(raw, numel)
+    int2_stats(scales, codes)
+    empty = np.empty(0, dtype=np.float32)
+    close_int2(
+        scales[None, :], codes[None, :], empty, one, one, one, one, values, empty, values,
+        np.empty_like(values), np.empty_like(values), np.empty_like(values),
+        np.empty_like(scales), np.empty_like(codes),
+    )  # fmt: skip
