@@ -87,14 +87,12 @@ def _bits_as_float(bits: np.uint32) -> np.float32:
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _bf16(x: np.float32) -> np.float32:
-    """``x`` rounded to bfloat16 (to nearest, ties to even), back in float32:
-    what ``torch.Tensor.to(torch.bfloat16)`` does."""
-    if x != x:
-        return np.float32(np.nan)
-    bits = np.float32(x).view(np.uint32)
-    bias = np.uint32(np.uint32(0x7FFF) + np.uint32((bits >> np.uint32(16)) & np.uint32(1)))
-    return _bits_as_float(np.uint32(np.uint32(bits + bias) & np.uint32(0xFFFF0000)))
+def _bf16_bits(bits: np.uint32) -> np.uint32:
+    """The float32 of ``bits`` rounded to bfloat16 (to nearest, ties to even), as
+    float32 bits: what ``torch.Tensor.to(torch.bfloat16)`` does, NaN included.
+    Integer operations and a select, so that a loop of them is vectorised."""
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return np.uint32(0x7FC00000 if (bits & _ABS_BITS) > _EXPONENT_BITS else rounded)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
@@ -172,6 +170,7 @@ def close_int2(
     deltas = codes.shape[0]
     has_momentum, has_dense = momentum.size > 0, dense.size > 0
     scratch = np.zeros((4, TILE), np.float32)  # update, change, codes; the last tile's version
+    per_block = np.zeros((4, TILE_BLOCKS), np.float32)  # absmax, energy, dot / energy, scale
     fields = np.zeros(TILE // 4, np.uint32)  # a tile's 2-bit fields, a byte each
     tops = np.zeros(2, np.uint32)  # largest magnitudes (as bits) of the change, and of a scale
     padded = np.zeros((6, TILE), np.float32)  # the last tile's inputs and outputs
@@ -198,6 +197,7 @@ def close_int2(
             (rebase, share, lr, mu),
             (deltas, has_momentum, has_dense),
             scratch,
+            per_block,
             fields,
             tops,
         )
@@ -210,7 +210,7 @@ def close_int2(
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"}, inline="always")
-def _close_tile(inputs, outputs, blocks, factors, shape, scratch, fields, tops):
+def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fields, tops):
     """One tile of :func:`close_int2`, from block ``first`` on: every loop runs
     over the whole tile or a whole block, a constant length, so is vectorised."""
     weights, base, momentum, dense = inputs
@@ -220,12 +220,13 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, fields, tops):
     deltas, has_momentum, has_dense = shape
     update, moved, levels = scratch[0], scratch[1], scratch[2]
     field_bytes = fields.view(np.uint8)
-    # -- the merged update
-    for j in range(TILE):
-        update[j] = rebase * (weights[j] - base[j])
+    # -- the merged update (the rebased deltas' part is added in the step below)
     if has_dense:
         for j in range(TILE):
-            update[j] += dense[j]
+            update[j] = dense[j]
+    else:
+        for j in range(TILE):
+            update[j] = 0.0
     for m in range(deltas):
         # Each byte's four fields spread to a byte each, with the same shifts for
         # every byte.
@@ -239,7 +240,7 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, fields, tops):
     # -- the outer step, and the change from the published version
     if has_momentum:
         for j in range(TILE):
-            step = update[j] * share
+            step = (update[j] + rebase * (weights[j] - base[j])) * share
             buffer = mu * momentum[j] + step
             value = weights[j] - lr * (step + mu * buffer)
             stepped[j] = value
@@ -247,32 +248,44 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, fields, tops):
             moved[j] = value - base[j]
     else:
         for j in range(TILE):
-            step = update[j] * share
+            step = (update[j] + rebase * (weights[j] - base[j])) * share
             value = weights[j] - lr * (step + mu * step)
             stepped[j] = value
             buffers[j] = step
             moved[j] = value - base[j]
-    # -- each block's codes and least-squares scale (Codec._scaled_codes)
+    # -- each block's codes and least-squares scale (Codec._scaled_codes). What
+    # is done once per block is done for every block of the tile in one loop, so
+    # that it is vectorised too.
     moved_bits = moved.view(np.uint32)
+    absmax, energy, dot = per_block[0], per_block[1], per_block[2]
+    absmax_bits, scale_bits = absmax.view(np.uint32), per_block[3].view(np.uint32)
     for b in range(TILE_BLOCKS):
-        low = b * BLOCK
         largest = np.uint32(0)
-        for j in range(low, low + BLOCK):
+        for j in range(b * BLOCK, b * BLOCK + BLOCK):
             largest = max(largest, np.uint32(moved_bits[j] & _ABS_BITS))
-        tops[0] = max(tops[0], largest)
-        absmax = _bf16(_bits_as_float(largest))
-        safe = absmax if absmax > 0 else np.float32(1.0)
-        energy = np.float32(0.0)
-        dot = 0.0
-        for j in range(low, low + BLOCK):
+        absmax_bits[b] = largest
+    for b in range(TILE_BLOCKS):
+        tops[0] = max(tops[0], absmax_bits[b])
+        absmax_bits[b] = _bf16_bits(absmax_bits[b])
+    for b in range(TILE_BLOCKS):
+        safe = absmax[b] if absmax[b] > 0 else np.float32(1.0)
+        squares = np.float32(0.0)
+        total = 0.0
+        for j in range(b * BLOCK, b * BLOCK + BLOCK):
             level = min(max(np.rint(moved[j] / safe), np.float32(-1.0)), np.float32(1.0))
             levels[j] = level
-            energy += level * level
-            dot += np.float64(moved[j]) * np.float64(level)
-        scale = _bf16(np.float32(dot / energy)) if energy > 0 else absmax
-        new_scales[first + b] = scale
-        tops[1] = max(tops[1], np.uint32(np.float32(abs(scale)).view(np.uint32)))
-        for j in range(low, low + BLOCK):
+            squares += level * level
+            total += np.float64(moved[j]) * np.float64(level)
+        energy[b] = squares
+        dot[b] = np.float32(total / squares)  # exact sum, rounded once
+    for b in range(TILE_BLOCKS):
+        fitted = _bf16_bits(np.float32(dot[b]).view(np.uint32))
+        scale_bits[b] = fitted if energy[b] > 0 else absmax_bits[b]
+        tops[1] = max(tops[1], np.uint32(scale_bits[b] & _ABS_BITS))
+        new_scales[first + b] = per_block[3, b]
+    for b in range(TILE_BLOCKS):
+        scale = per_block[3, b]
+        for j in range(b * BLOCK, b * BLOCK + BLOCK):
             version[j] = base[j] + levels[j] * scale
     # -- the codes, packed: the inverse of the spreading above
     for j in range(TILE):
