@@ -5,11 +5,13 @@ single-threaded, against a single-threaded memory copy of the same fp32 bytes.
 
 One round of M deltas goes through the syncer's own per-fragment code
 (:class:`syncer.fragment_state.FragmentState`), as the service runs it: each
-delta is decoded from its wire codec (into the fragment's buffers), offered
-(shape, finiteness, the bounds on its figures, the rebase against its base
-version, its norm for the quarantine), then the round closes (quarantine, weights, rebasing, the
+delta is decoded from its wire codec (an int2 one into its packed codes and
+scales, others into the fragment's buffers), offered (shape, finiteness, the
+bounds on its figures, the rebase against its base version, its norm for the
+quarantine), then the round closes (quarantine, weights, rebasing, the
 weighted mean, the Nesterov outer step, and the canonical encoding of the new
-global). ``aggregate_gbps`` is the fp32 bytes of deltas processed per second
+global; with int2 globals, the default, in one compiled pass:
+:mod:`syncer.kernels`). ``aggregate_gbps`` is the fp32 bytes of deltas processed per second
 over all of it; ``memcpy_gbps`` is ``torch`` copying the same fp32 bytes of
 one delta from one buffer to another; ``ratio`` is the first over the second.
 Each figure is the best of ``repeats`` rounds. One torch thread throughout.
@@ -115,17 +117,22 @@ def one_round(
 
 
 def measure(mib: int, delta_codec: Codec, global_codec: Codec, repeats: int) -> dict[str, Any]:
-    """The best of ``repeats`` rounds of one fragment, after a first round that
-    is not counted: it allocates the fragment's buffers, which a running syncer
-    does once, and every later round reuses."""
+    """The best of ``repeats`` rounds of one fragment, after the rounds that
+    allocate its buffers, which a running syncer does once: the first (the
+    momentum, the buffers deltas decode into) and, until the versions kept
+    (``staleness``) are all its own, each round's new version. Later rounds
+    write into the memory of versions no longer kept."""
     numel = mib * 2**20 // 4
     gen = torch.Generator().manual_seed(0)
     weights = torch.randn(numel, generator=gen)
-    state = FragmentState(0, weights, _params(global_codec), published_s=0.0)
+    params = _params(global_codec)
+    state = FragmentState(0, weights, params, published_s=0.0)
     payloads = [
         delta_codec.encode(1e-3 * torch.randn(numel, generator=gen)) for _ in range(LEARNERS)
     ]
-    rounds = [one_round(state, payloads, delta_codec, i) for i in range(repeats + 1)][1:]
+    warm_up = params.staleness + 1
+    rounds = [one_round(state, payloads, delta_codec, i) for i in range(warm_up + repeats)]
+    rounds = rounds[warm_up:]
     best = min(rounds, key=lambda r: r["total_s"])
     delta_bytes = LEARNERS * numel * 4
     copy = memcpy_gbps(numel, repeats)

