@@ -132,6 +132,7 @@ class _Contribution:
     c_steps: int
     step: int  # the learner's step when it sent the delta
     ref: Any
+    magnitude: float = 0.0  # of the delta's values, or a bound on it
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -290,9 +291,11 @@ class FragmentState:
         )
         if self._compiled:
             kernels.warm_up()
-        # Largest magnitudes of the master and of kept versions, for the bound
-        # on a shift that the compiled close checks instead of making the shift.
+        # Largest magnitudes (or bounds on them) of the master, the momentum and
+        # the kept versions: the compiled close checks a shift against the bound,
+        # and steps in place when the bounds rule out an overflow.
         self._master_magnitude: float | None = None
+        self._momentum_magnitude: float | None = None
         self._magnitudes: dict[int, float] = {}
         # Buffers that deltas decode into (:meth:`decode`), reused round after
         # round: a new tensor per delta costs more in page faults than the
@@ -475,6 +478,7 @@ class FragmentState:
             delta.c_steps,
             delta.step,
             ref,
+            magnitude,
         )
         self.round.add(delta.learner_id, now)
         return ACCEPTED
@@ -524,7 +528,10 @@ class FragmentState:
             # Finite inputs can still overflow; never publish a broken model.
             raise RoundOverflow(f"fragment {self.fragment}: outer step overflowed", refs)
         master, momentum, published, self.publication = stepped
-        self._spare_momentum, self._spare_master = self.momentum, self.master
+        if master is not self.master:  # not stepped in place: the old one is spare
+            self._spare_master = self.master
+        if momentum is not self.momentum:
+            self._spare_momentum = self.momentum
         self.master, self.momentum = master, momentum
         self._shifts = {}
         self._push(published, wall_s)
@@ -572,7 +579,7 @@ class FragmentState:
             else:
                 scaled = c.delta * factor  # not in place: it may be the caller's
             self._release(c.delta)
-            c.delta, c.norm_per_step = scaled, bar
+            c.delta, c.norm_per_step, c.magnitude = scaled, bar, c.magnitude * factor
         return contributions, outliers, []
 
     def _shift(self, version: int) -> tuple[torch.Tensor | None, float]:
@@ -602,9 +609,17 @@ class FragmentState:
         base = self.history.get(version)
         if base is self.master:
             return 0.0
+        return self._master_bound() + self._version_magnitude(version)
+
+    def _master_bound(self) -> float:
         if self._master_magnitude is None:
             self._master_magnitude = max_abs(self.master)
-        return self._master_magnitude + self._version_magnitude(version)
+        return self._master_magnitude
+
+    def _momentum_bound(self) -> float:
+        if self._momentum_magnitude is None:
+            self._momentum_magnitude = 0.0 if self.momentum is None else max_abs(self.momentum)
+        return self._momentum_magnitude
 
     def _version_magnitude(self, version: int) -> float:
         """The largest magnitude of a kept version, or a bound on it."""
@@ -639,14 +654,35 @@ class FragmentState:
         merged_dense = torch.zeros(self.numel if dense else 0, dtype=torch.float32)
         for tensor, fraction in dense.values():
             merged_dense.add_(tensor, alpha=fraction)
+        # Bounds on the step's magnitudes: when they rule out an overflow, the
+        # master and momentum are stepped in place (a fragment's memory less, and
+        # no second copy to stream), since the state can no longer be broken.
+        scale = 1.0 if share is None else share
+        update_bound = scale * sum(
+            fraction * (c.magnitude + self._shift_magnitude(c.base_version))
+            for c, fraction in zip(kept, fractions, strict=True)
+        )
+        momentum_bound = p.outer_momentum * self._momentum_bound() + update_bound
+        master_bound = self._master_bound() + p.outer_lr * (
+            update_bound + p.outer_momentum * momentum_bound
+        )
+        previous_magnitude = self._version_magnitude(self.version)
+        in_place = (
+            max(master_bound + previous_magnitude, momentum_bound) < SAFE_MAGNITUDE
+            and all(self.master is not w for _, w in self.history.items())
+        )
         blocks = kernels.padded_blocks(self.numel)
         scales = np.empty((len(packed), blocks), dtype=np.float32)
         codes = np.empty((len(packed), blocks * kernels.BLOCK // 4), dtype=np.uint8)
         for m, (delta, factor) in enumerate(zip(packed, factors, strict=True)):
             np.multiply(delta.scales, np.float32(factor), out=scales[m])
             codes[m] = delta.codes
-        master = self._reusable("_spare_master")
-        momentum = self._reusable("_spare_momentum")
+        if in_place:
+            master = self.master
+            momentum = torch.empty(self.numel) if self.momentum is None else self.momentum
+        else:
+            master = self._reusable("_spare_master")
+            momentum = self._reusable("_spare_momentum")
         version = self._reusable("_spare_version")
         new_scales = np.empty(blocks, dtype=np.float32)
         new_codes = np.empty(blocks * kernels.BLOCK // 4, dtype=np.uint8)
@@ -669,10 +705,12 @@ class FragmentState:
             new_codes,
         )
         if not finite:
+            if in_place:  # the bounds above say this cannot happen
+                raise AssertionError(f"fragment {self.fragment}: in-place step overflowed")
             return None
         # Bounds, not maxima: |new| <= |previous| + |new - previous|.
-        previous_magnitude = self._version_magnitude(self.version)
         self._master_magnitude = previous_magnitude + float(largest_change)
+        self._momentum_magnitude = momentum_bound
         self._magnitudes[self.version + 1] = previous_magnitude + float(largest_scale)
         change = kernels.pack_int2(new_scales, new_codes, self.numel)
         publication = Publication(
@@ -833,7 +871,8 @@ class FragmentState:
         self.momentum = None if momentum is None else momentum.to(torch.float32).clone()
         self._spare_momentum = self._spare_master = self._spare_version = None
         self._views = {}
-        self._master_magnitude, self._magnitudes = None, {}
+        self._master_magnitude = self._momentum_magnitude = None
+        self._magnitudes = {}
         self.epoch = int(meta.get("epoch", self.epoch))
         self.applied = {k: (int(v[0]), int(v[1])) for k, v in meta["applied"].items()}
         self.merged_step = {k: int(v) for k, v in meta.get("merged_step", {}).items()}

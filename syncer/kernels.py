@@ -169,7 +169,8 @@ def close_int2(
     numel = master.size
     deltas = codes.shape[0]
     has_momentum, has_dense = momentum.size > 0, dense.size > 0
-    scratch = np.zeros((4, TILE), np.float32)  # update, change, codes; the last tile's version
+    # update, change, codes, the last tile's version, new master, new momentum
+    scratch = np.zeros((6, TILE), np.float32)
     per_block = np.zeros((4, TILE_BLOCKS), np.float32)  # absmax, energy, dot / energy, scale
     fields = np.zeros(TILE // 4, np.uint32)  # a tile's 2-bit fields, a byte each
     tops = np.zeros(2, np.uint32)  # largest magnitudes (as bits) of the change, and of a scale
@@ -237,22 +238,30 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
             scale = scales[m, first + b]
             for j in range(b * BLOCK, b * BLOCK + BLOCK):
                 update[j] += (np.float32(field_bytes[j]) - np.float32(2.0)) * scale
-    # -- the outer step, and the change from the published version
+    # -- the outer step, and the change from the published version. The new
+    # master and momentum go to the scratch first: they may be written in place
+    # of the old ones, and a loop whose output may overlap its input is not
+    # vectorised.
+    new_weights, new_buffers = scratch[4], scratch[5]
     if has_momentum:
         for j in range(TILE):
             step = (update[j] + rebase * (weights[j] - base[j])) * share
             buffer = mu * momentum[j] + step
             value = weights[j] - lr * (step + mu * buffer)
-            stepped[j] = value
-            buffers[j] = buffer
+            new_weights[j] = value
+            new_buffers[j] = buffer
             moved[j] = value - base[j]
     else:
         for j in range(TILE):
             step = (update[j] + rebase * (weights[j] - base[j])) * share
             value = weights[j] - lr * (step + mu * step)
-            stepped[j] = value
-            buffers[j] = step
+            new_weights[j] = value
+            new_buffers[j] = step
             moved[j] = value - base[j]
+    for j in range(TILE):
+        stepped[j] = new_weights[j]
+    for j in range(TILE):
+        buffers[j] = new_buffers[j]
     # -- each block's codes and least-squares scale (Codec._scaled_codes). What
     # is done once per block is done for every block of the tile in one loop, so
     # that it is vectorised too.

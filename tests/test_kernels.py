@@ -221,10 +221,12 @@ def test_an_overflowing_compiled_step_publishes_nothing_and_keeps_the_state() ->
     assert state.close(T0 + 21.0).published and state.version == 1
 
 
-def test_versions_no_longer_kept_are_written_over_only_when_nothing_holds_them() -> None:
+def test_memory_is_written_over_only_when_nothing_holds_it() -> None:
     """The compiled close writes each new version into the memory of one no longer
     kept, unless something still holds that one: a caller's reference, or a view
-    of its bytes (a snapshot being sent)."""
+    of its bytes (a snapshot being sent). It steps the master and momentum in
+    place when their bounds rule out an overflow (the overflow test below is
+    the other case: the state is kept)."""
     numel = 4096
     gen = torch.Generator().manual_seed(2)
     state = FragmentState(0, torch.randn(numel, generator=gen), params(quorum=1), published_s=T0)
@@ -238,8 +240,15 @@ def test_versions_no_longer_kept_are_written_over_only_when_nothing_holds_them()
     for r in range(1, 13):
         round_(r)
         addresses.add(state.weights.data_ptr())
+        if r == 3:  # 9 rounds before the last: an odd count, unlike two buffers taking turns
+            assert state.momentum is not None
+            stepped = (state.master.data_ptr(), state.momentum.data_ptr())
     # 3 kept versions and a spare go round: 12 rounds, not 12 new tensors.
     assert len(addresses) <= 5
+    # Far from overflowing, the master and momentum are stepped in place (from
+    # the second round: the first version is the first master).
+    assert state.momentum is not None
+    assert (state.master.data_ptr(), state.momentum.data_ptr()) == stepped
 
     held = state.weights  # a caller's reference
     held_copy = held.clone()
