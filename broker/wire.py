@@ -193,11 +193,12 @@ class _TensorMessage(Message):
         except CodecError as e:
             raise WireError("bad_payload", str(e)) from None
 
-    def quantised(self) -> Any:
+    def quantised(self, out: bytearray | None = None) -> Any:
         """The payload's quantised bytes, out of its lossless stage and size-checked
-        (:meth:`broker.codecs.Codec.quantised`), for code that reads the codes."""
+        (:meth:`broker.codecs.Codec.quantised`, into ``out``), for code that reads
+        the codes."""
         try:
-            return self.codec.quantised(self.payload, self.numel)
+            return self.codec.quantised(self.payload, self.numel, out)
         except CodecError as e:
             raise WireError("bad_payload", str(e)) from None
 

@@ -86,32 +86,65 @@ class AggregationParams:
     absent_wait_s: float = math.inf
 
 
+class _Row:
+    """A row of :class:`_PackedRows`, taken until the last reference to it goes."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _PackedRows:
+    """Where packed deltas live: a row of scales and one of codes each, in two
+    arrays that the compiled close reads as they are (no copy per round), reused
+    round after round (no page faults). A row comes back when the last
+    :class:`PackedDelta` on it is dropped; the arrays double when every row is
+    taken."""
+
+    def __init__(self, numel: int, codec: Codec) -> None:
+        self.numel = numel
+        self.scales, self.codes = kernels.new_rows(0, numel)
+        self._free: list[int] = []
+        self._raw = bytearray(codec.quantised_size(numel))  # payloads decompress here
+
+    def pack(self, delta: Delta) -> PackedDelta:
+        """WireError if the payload does not decode."""
+        raw = np.frombuffer(delta.quantised(self._raw), dtype=np.uint8)
+        row = self._take()
+        scales, codes = self.scales[row.index], self.codes[row.index]
+        kernels.unpack_int2(raw, self.numel, scales, codes)
+        squares, largest = kernels.int2_stats(scales, codes)
+        return PackedDelta(row, math.sqrt(squares), largest, self.numel)
+
+    def _take(self) -> _Row:
+        if not self._free:
+            taken = len(self.scales)
+            scales, codes = kernels.new_rows(max(2 * taken, 4), self.numel)
+            scales[:taken], codes[:taken] = self.scales, self.codes
+            self.scales, self.codes = scales, codes
+            self._free = list(range(len(scales) - 1, taken - 1, -1))
+        row = _Row(self._free.pop())
+        weakref.finalize(row, self._free.append, row.index)
+        return row
+
+
 @dataclass(frozen=True)
 class PackedDelta:
-    """A delta kept as its int2 codes and scales (:func:`syncer.kernels.unpack_int2`):
+    """A delta kept as its int2 codes and scales, in a row of :class:`_PackedRows`:
     the compiled close (:func:`syncer.kernels.close_int2`) decodes it where it
     merges it, so it never becomes a fragment of fp32 values in memory."""
 
-    scales: np.ndarray  # float32, one per block
-    codes: np.ndarray  # uint8, four per byte
+    row: _Row
     norm: float  # of the values it decodes to, times ``factor``
     magnitude: float  # their largest magnitude, inf if one is not finite
     numel: int
     factor: float = 1.0  # quarantine clipping scales a delta
-
-    @classmethod
-    def of(cls, delta: Delta) -> PackedDelta:
-        """WireError if the payload does not decode."""
-        raw = np.frombuffer(delta.quantised(), dtype=np.uint8)
-        scales, codes = kernels.unpack_int2(raw, delta.numel)
-        squares, largest = kernels.int2_stats(scales, codes)
-        return cls(scales, codes, math.sqrt(squares), largest, delta.numel)
 
     @property
     def shape(self) -> tuple[int]:
         return (self.numel,)
 
     def scaled(self, factor: float) -> PackedDelta:
+        """The same codes, times ``factor`` (on the same row)."""
         return replace(
             self,
             norm=self.norm * factor,
@@ -291,6 +324,7 @@ class FragmentState:
         )
         if self._compiled:
             kernels.warm_up()
+        self._packed = _PackedRows(self.numel, self.codec) if self._compiled else None
         # Largest magnitudes (or bounds on them) of the master, the momentum and
         # the kept versions: the compiled close checks a shift against the bound,
         # and steps in place when the bounds rule out an overflow.
@@ -378,8 +412,8 @@ class FragmentState:
         if delta.numel != self.numel:
             return delta.tensor()  # offer refuses it (bad_shape)
         codec = delta.codec
-        if self._compiled and codec == Codec("int2", codec.lossless, kernels.BLOCK):
-            return PackedDelta.of(delta)
+        if self._packed is not None and codec == Codec("int2", codec.lossless, kernels.BLOCK):
+            return self._packed.pack(delta)
         buffer = self._free.pop() if self._free else self._new_buffer()
         try:
             delta.tensor(out=buffer)
@@ -667,16 +701,10 @@ class FragmentState:
             update_bound + p.outer_momentum * momentum_bound
         )
         previous_magnitude = self._version_magnitude(self.version)
-        in_place = (
-            max(master_bound + previous_magnitude, momentum_bound) < SAFE_MAGNITUDE
-            and all(self.master is not w for _, w in self.history.items())
+        in_place = max(master_bound + previous_magnitude, momentum_bound) < SAFE_MAGNITUDE and all(
+            self.master is not w for _, w in self.history.items()
         )
         blocks = kernels.padded_blocks(self.numel)
-        scales = np.empty((len(packed), blocks), dtype=np.float32)
-        codes = np.empty((len(packed), blocks * kernels.BLOCK // 4), dtype=np.uint8)
-        for m, (delta, factor) in enumerate(zip(packed, factors, strict=True)):
-            np.multiply(delta.scales, np.float32(factor), out=scales[m])
-            codes[m] = delta.codes
         if in_place:
             master = self.master
             momentum = torch.empty(self.numel) if self.momentum is None else self.momentum
@@ -687,9 +715,12 @@ class FragmentState:
         new_scales = np.empty(blocks, dtype=np.float32)
         new_codes = np.empty(blocks * kernels.BLOCK // 4, dtype=np.uint8)
         no_momentum = torch.empty(0, dtype=torch.float32)
+        assert self._packed is not None  # made with the compiled close
         finite, largest_change, largest_scale = kernels.close_int2(
-            scales,
-            codes,
+            self._packed.scales,
+            self._packed.codes,
+            np.array([delta.row.index for delta in packed], dtype=np.int64),
+            np.array(factors, dtype=np.float32),
             merged_dense.numpy(),
             np.float32(rebase),
             np.float32(1.0 if share is None else share),

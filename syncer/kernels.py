@@ -50,23 +50,29 @@ def padded_blocks(numel: int) -> int:
     return -(-numel // TILE) * TILE_BLOCKS
 
 
-def unpack_int2(raw: np.ndarray, numel: int) -> tuple[np.ndarray, np.ndarray]:
-    """An int2 payload of ``numel`` values (blocks of :data:`BLOCK`) as
-    :func:`close_int2` reads it: its scales as float32 and its packed codes,
-    both padded to whole tiles with zeros (zero scales, zero codes). The last
-    byte's unused fields become zero codes too: a payload may hold anything
-    there, and nothing decodes it."""
+def unpack_int2(raw: np.ndarray, numel: int, scales: np.ndarray, codes: np.ndarray) -> None:
+    """An int2 payload of ``numel`` values (blocks of :data:`BLOCK`) into a row
+    of each of :func:`close_int2`'s ``scales`` (float32) and ``codes``, made
+    (:func:`new_rows`) for that many values: their padding stays zero scales and
+    zero codes. The last byte's unused fields become zero codes too: a payload
+    may hold anything there, and nothing decodes it."""
     blocks = -(-numel // BLOCK)
     head = 2 * blocks
-    scales = np.zeros(padded_blocks(numel), dtype=np.float32)
-    scales[:blocks] = (raw[:head].view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
-    codes = np.full(scales.size * BLOCK // 4, 0xAA, dtype=np.uint8)
+    bits = scales[:blocks].view(np.uint32)
+    np.left_shift(raw[:head].view("<u2"), 16, out=bits, dtype=np.uint32)
     body = raw[head:]
     codes[: body.size] = body
     if numel % 4:
         used = (1 << (2 * (numel % 4))) - 1
         codes[body.size - 1] = (body[-1] & used) | (0xAA & ~used)
-    return scales, codes
+
+
+def new_rows(count: int, numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` rows of scales and of codes for payloads of ``numel`` values,
+    padded to whole tiles with zero scales and zero codes (0b10 fields)."""
+    blocks = padded_blocks(numel)
+    scales = np.zeros((count, blocks), dtype=np.float32)
+    return scales, np.full((count, blocks * BLOCK // 4), 0xAA, dtype=np.uint8)
 
 
 def pack_int2(scales: np.ndarray, codes: np.ndarray, numel: int) -> np.ndarray:
@@ -131,6 +137,8 @@ def _nonzero(word: np.uint64) -> np.uint64:
 def close_int2(
     scales: np.ndarray,
     codes: np.ndarray,
+    rows: np.ndarray,
+    fractions: np.ndarray,
     dense: np.ndarray,
     rebase: np.float32,
     share: np.float32,
@@ -147,10 +155,10 @@ def close_int2(
 ) -> tuple[bool, np.float32, np.float32]:
     """One outer step of a fragment, and the int2 change that publishes it.
 
-    The update is ``sum_m delta_m + dense + rebase * (master - previous)``,
-    times ``share``. Delta m is ``codes[m]`` (int2 codes, four per byte as in a
-    payload) times ``scales[m]`` (one per block of :data:`BLOCK`, already times
-    the delta's weight); ``dense`` (empty for none) holds everything else,
+    The update is ``sum_m fractions[m] delta_m + dense + rebase * (master -
+    previous)``, times ``share``. Delta m is row ``rows[m]`` of ``codes``
+    (int2 codes, four per byte as in a payload) times the same row of
+    ``scales`` (one per block of :data:`BLOCK`); ``dense`` (empty for none) holds everything else,
     already weighted (deltas of other codecs, shifts of older bases);
     ``rebase`` is the weight of the deltas on ``previous``, the current
     version. Then ``b = mu * momentum + update`` (``update`` alone when
@@ -167,7 +175,7 @@ def close_int2(
     version that their difference overflows: either way, nothing to publish.
     """
     numel = master.size
-    deltas = codes.shape[0]
+    deltas = rows.size
     has_momentum, has_dense = momentum.size > 0, dense.size > 0
     # update, change, codes, the last tile's version, new master, new momentum
     scratch = np.zeros((6, TILE), np.float32)
@@ -194,7 +202,7 @@ def close_int2(
         _close_tile(
             inputs,
             outputs,
-            (scales, codes, new_scales, new_codes, start // BLOCK),
+            (scales, codes, rows, fractions, new_scales, new_codes, start // BLOCK),
             (rebase, share, lr, mu),
             (deltas, has_momentum, has_dense),
             scratch,
@@ -216,7 +224,7 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
     over the whole tile or a whole block, a constant length, so is vectorised."""
     weights, base, momentum, dense = inputs
     stepped, buffers, version = outputs
-    scales, codes, new_scales, new_codes, first = blocks
+    scales, codes, rows, fractions, new_scales, new_codes, first = blocks
     rebase, share, lr, mu = factors
     deltas, has_momentum, has_dense = shape
     update, moved, levels = scratch[0], scratch[1], scratch[2]
@@ -229,13 +237,14 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
         for j in range(TILE):
             update[j] = 0.0
     for m in range(deltas):
+        row = rows[m]
         # Each byte's four fields spread to a byte each, with the same shifts for
         # every byte.
         for k in range(TILE_BYTES):
-            packed = np.uint32(codes[m, first * (BLOCK // 4) + k])
+            packed = np.uint32(codes[row, first * (BLOCK // 4) + k])
             fields[k] = (packed | (packed << 6) | (packed << 12) | (packed << 18)) & 0x03030303
         for b in range(TILE_BLOCKS):
-            scale = scales[m, first + b]
+            scale = scales[row, first + b] * fractions[m]
             for j in range(b * BLOCK, b * BLOCK + BLOCK):
                 update[j] += (np.float32(field_bytes[j]) - np.float32(2.0)) * scale
     # -- the outer step, and the change from the published version. The new
@@ -315,11 +324,13 @@ def warm_up() -> None:
     one = np.float32(1.0)
     values = np.zeros(numel, dtype=np.float32)
     raw = np.full(2 + 2, 0xAA, dtype=np.uint8)
-    scales, codes = unpack_int2(raw, numel)
-    int2_stats(scales, codes)
+    scales, codes = new_rows(1, numel)
+    unpack_int2(raw, numel, scales[0], codes[0])
+    int2_stats(scales[0], codes[0])
     empty = np.empty(0, dtype=np.float32)
     close_int2(
-        scales[None, :], codes[None, :], empty, one, one, one, one, values, empty, values,
+        scales, codes, np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.float32), empty,
+        one, one, one, one, values, empty, values,
         np.empty_like(values), np.empty_like(values), np.empty_like(values),
-        np.empty_like(scales), np.empty_like(codes),
+        np.empty_like(scales[0]), np.empty_like(codes[0]),
     )  # fmt: skip

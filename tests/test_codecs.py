@@ -357,6 +357,30 @@ def test_decompression_bomb_raises_without_allocating(kind: str) -> None:
     assert peak < 4 << 20
 
 
+@pytest.mark.parametrize("kind", ["zstd-stream", "zstd-one-shot"])
+def test_quantised_into_a_buffer_checks_sizes_and_bombs(kind: str) -> None:
+    """Decompressing into a caller's buffer: the same bytes, and the same refusals
+    of a payload too short, too long or a bomb, with nothing allocated."""
+    c = Codec.parse("int2+zstd")
+    numel = 1000
+    out = bytearray(c.quantised_size(numel) + 64)
+    payload = c.encode(gaussian(numel))
+    assert bytes(c.quantised(payload, numel, out)) == bytes(c.quantised(payload, numel))
+    raw = bytes(c.quantised(payload, numel))
+    for wrong in (raw[:-1], raw + b"\0"):
+        with pytest.raises(CodecError):
+            c.quantised(zstandard.ZstdCompressor().compress(wrong), numel, out)
+    bomb = _zstd_bomb(64 << 20, kind == "zstd-one-shot")
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError):
+            c.quantised(bomb, numel, out)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.sampled_from(

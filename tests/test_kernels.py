@@ -86,7 +86,7 @@ def torch_twin(state: FragmentState) -> FragmentState:
     twin = FragmentState(0, state.weights.clone(), state.params, published_s=T0)
     tensors, meta = state.state()
     twin.load({k: v.clone() for k, v in tensors.items()}, meta)
-    twin._compiled = False  # the torch close, as for every other codec
+    twin._compiled, twin._packed = False, None  # the torch close, as for every other codec
     return twin
 
 
@@ -184,7 +184,9 @@ def test_a_packed_delta_has_the_norm_and_magnitude_of_its_values() -> None:
             raw[-1] |= 0xFF << (2 * (numel % 4)) & 0xFF  # code 1 in every unused field
         d = replace(d, payload=bytes(raw))
         decoded = d.tensor()
-        packed = PackedDelta.of(d)
+        state = FragmentState(0, torch.zeros(numel), params(quorum=1), published_s=T0)
+        packed = state.decode(d)
+        assert isinstance(packed, PackedDelta)
         assert math.isclose(packed.norm, float(decoded.double().norm()), rel_tol=1e-12)
         assert math.isclose(packed.norm, l2_norm(decoded), rel_tol=1e-6)
         assert packed.magnitude == float(decoded.abs().max())
@@ -285,6 +287,34 @@ def test_unpack_and_pack_are_the_payload_layout() -> None:
     for numel in LENGTHS:
         codec = Codec.parse("int2")
         raw = np.frombuffer(codec.encode(torch.randn(numel)), dtype=np.uint8)
-        scales, codes = kernels.unpack_int2(raw, numel)
-        assert scales.size % kernels.TILE_BLOCKS == 0 and codes.size == scales.size * 16
-        assert np.array_equal(kernels.pack_int2(scales, codes, numel), raw)
+        scales, codes = kernels.new_rows(2, numel)
+        kernels.unpack_int2(raw, numel, scales[1], codes[1])
+        assert scales.shape[1] % kernels.TILE_BLOCKS == 0 and codes.shape[1] == scales.shape[1] * 16
+        assert np.array_equal(kernels.pack_int2(scales[1], codes[1], numel), raw)
+        assert not scales[0].any() and (codes[0] == 0xAA).all()
+
+
+def test_rows_of_packed_deltas_come_back_when_their_deltas_go() -> None:
+    """Packed deltas live in rows that the close reads in place: a row is taken
+    until its last delta (a clipped one shares it) is dropped, then reused, so
+    rounds after rounds need no new memory."""
+    numel = 300
+    gen = torch.Generator().manual_seed(4)
+    state = FragmentState(0, torch.randn(numel, generator=gen), params(quorum=3), published_s=T0)
+    assert state._packed is not None
+    for r in range(1, 21):
+        deltas = [
+            sent(name, r, state.version, 1e-2 * torch.randn(numel, generator=gen)) for name in "abc"
+        ]
+        offer_both([state], deltas, T0 + r)
+        state.close(T0 + r + 0.5)
+    assert len(state._packed.scales) == 4  # the first 4 rows: never more than 3 at once
+    held = state.decode(sent("a", 21, state.version, torch.randn(numel, generator=gen)))
+    assert isinstance(held, PackedDelta)
+    taken = {held.row.index}
+    for _ in range(8):  # decoded and dropped at once: rows come back, never the held one
+        again = state.decode(sent("b", 21, state.version, torch.randn(numel, generator=gen)))
+        assert isinstance(again, PackedDelta) and again.row.index not in taken
+    codes = state._packed.codes[held.row.index].copy()
+    del again
+    assert np.array_equal(state._packed.codes[held.row.index], codes)
