@@ -290,7 +290,10 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
         squares = np.float32(0.0)
         total = 0.0
         for j in range(b * BLOCK, b * BLOCK + BLOCK):
-            level = min(max(np.rint(moved[j] / safe), np.float32(-1.0)), np.float32(1.0))
+            # Through an integer, as the codec's int8 codes: a level is never -0.0
+            # (-0.0 x scale added to a -0.0 weight stays -0.0; a learner adds +0.0).
+            code = np.int32(min(max(np.rint(moved[j] / safe), np.float32(-1.0)), np.float32(1.0)))
+            level = np.float32(code)
             levels[j] = level
             squares += level * level
             total += np.float64(moved[j]) * np.float64(level)
