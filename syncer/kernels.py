@@ -5,9 +5,9 @@ merges them (weighted and rebased), takes the Nesterov outer step, quantises
 the change of the new master from the published version, and adds the
 decoded change to that version. As a torch pass per stage, every
 fragment-sized tensor crosses memory a dozen times: 0.04 of a memory copy's
-speed. Here one pass does all of it a block of 64 values at a time, while
-the block is in registers and L1: the master, momentum and version are read
-once and written once, and the deltas never leave their packed codes.
+speed. Here one pass does all of it a tile of 4096 values at a time, while
+the tile is in the cache: the master, momentum and version are read once and
+written once, and the deltas never leave their packed codes.
 
 The bytes out are exactly those of ``Codec.encode(change, fit_scales=True)``
 (broker/codecs.py; tests/test_kernels.py checks both against each other): the
@@ -27,13 +27,8 @@ import math
 import numba
 import numpy as np
 
-# Every kernel: cache (compiled once per machine, not in every process that
-# closes a round), nogil, and error_model numpy (a division by zero is inf or
-# NaN, as in torch, not a check per division that keeps loops from vectorising).
 _ABS_BITS = np.uint32(0x7FFFFFFF)
 _EXPONENT_BITS = np.uint32(0x7F800000)
-
-
 BLOCK = 64  # values per block of the payloads the compiled close reads and writes
 TILE = 64 * BLOCK  # values per tile: its scratch (about 100 KiB) stays in the cache
 TILE_BLOCKS = TILE // BLOCK
@@ -86,6 +81,9 @@ def pack_int2(scales: np.ndarray, codes: np.ndarray, numel: int) -> np.ndarray:
     return raw
 
 
+# Every kernel: cache (compiled once per machine, not in every process that
+# closes a round), nogil, and error_model numpy (a division by zero is inf or
+# NaN, as in torch, not a check per division that keeps loops from vectorising).
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _bits_as_float(bits: np.uint32) -> np.float32:
     word = np.uint32(bits)
@@ -132,7 +130,8 @@ def _nonzero(word: np.uint64) -> np.uint64:
 # reassoc: lets sums be vectorised. Nothing that must be exact depends on the
 # order of a sum: the change's codes and scales, and so the new version, come
 # from divisions, roundings, integer maxima and float64 sums that are exact in
-# any order (_exact_dot); only the master's last bits do, and it stays here.
+# any order (the least-squares sums); only the master's last bits do, and it
+# stays here.
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
 def close_int2(
     scales: np.ndarray,
@@ -222,8 +221,8 @@ def close_int2(
 def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fields, tops):
     """One tile of :func:`close_int2`, from block ``first`` on: every loop runs
     over the whole tile or a whole block, a constant length, so is vectorised."""
-    weights, base, momentum, dense = inputs
-    stepped, buffers, version = outputs
+    weights, base, momentum, dense = inputs  # the tile's master, version, momentum, dense
+    stepped, buffers, version = outputs  # its new master, momentum and version
     scales, codes, rows, fractions, new_scales, new_codes, first = blocks
     rebase, share, lr, mu = factors
     deltas, has_momentum, has_dense = shape
