@@ -15,6 +15,7 @@ unpublished global of each fragment stays queued until redis is back.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 
 _DELTAS_READ_COUNT = 64  # per stream and call
 _HEARTBEAT_READ_INTERVAL_S = 0.25
+# For deltas of a learner no heartbeat was read of: sooner, still bounded for a
+# sender that never writes one.
+_UNHEARD_READ_INTERVAL_S = 0.01
 _TRIM_INTERVAL_S = 1.0
 
 
@@ -118,7 +122,7 @@ class RedisSyncerTransport(SyncerTransport):
         self._claim_cursor: dict[str, str] = {}
         self._next_claim_at = 0.0
         self._heartbeat_frames: dict[bytes, bytes] = {}
-        self._next_heartbeat_read_at = 0.0
+        self._last_heartbeat_read_at = -math.inf
         self._trim_waiting: set[str] = set()
         self._next_trim_at: dict[str, float] = {}
         # (to the stream, to the snapshot key, the version), by fragment
@@ -212,6 +216,14 @@ class RedisSyncerTransport(SyncerTransport):
                 items += self._accept_deltas(to_str(stream), entries)
             if not reply and block_ms is None:
                 sleep_tail(deadline)
+        # A learner's first deltas can wake this read before any heartbeat of it was
+        # read (heartbeats are read before blocking, every 0.25 s): read them again
+        # now, so that its pace, not the floor, bounds those deltas' step counts.
+        unheard = {
+            i.message.learner_id.encode() for i in items if isinstance(i.message, Delta)
+        } - self._heartbeat_frames.keys()
+        if unheard:
+            items = self._read_heartbeats(_UNHEARD_READ_INTERVAL_S) + items
         self._outstanding |= self._handing_out
         return items
 
@@ -324,12 +336,12 @@ class RedisSyncerTransport(SyncerTransport):
             self._rejected_unacked.add(token)  # it can never become valid: ack it
         return items
 
-    def _read_heartbeats(self) -> list[Inbound]:
-        """Heartbeats that changed since the last read, at most every 0.25 s."""
+    def _read_heartbeats(self, interval_s: float = _HEARTBEAT_READ_INTERVAL_S) -> list[Inbound]:
+        """Heartbeats that changed since the last read, if it was ``interval_s`` ago."""
         now = time.monotonic()
-        if now < self._next_heartbeat_read_at:
+        if now < self._last_heartbeat_read_at + interval_s:
             return []
-        self._next_heartbeat_read_at = now + _HEARTBEAT_READ_INTERVAL_S
+        self._last_heartbeat_read_at = now
         frames = cast(dict[bytes, bytes], self._client.hgetall(learners_key(self.run_id)))
         items: list[Inbound] = []
         for learner, frame in frames.items():

@@ -421,6 +421,31 @@ def test_second_consumer_claims_pending_entries_of_a_dead_one(redis_server: Redi
 
 
 @pytest.mark.timeout(30)
+def test_a_new_learners_first_delta_comes_with_its_heartbeat(redis_server: RedisServer) -> None:
+    """Heartbeats are read every 0.25 s, before the syncer blocks for deltas; a
+    learner's first delta that wakes it must still come with the heartbeat the
+    learner wrote before it, or its step count is bounded by the floor alone."""
+    url = redis_server.url
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0])
+    assert syncer.receive(0.05) == []  # heartbeats read now: none yet
+    learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=1)
+    learner.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0", step=1))
+    send_all(learner, [make_delta("learner-0", 1, 0)])
+    started = time.monotonic()
+    items = syncer.receive(1.0)
+    assert time.monotonic() - started < 0.25  # within the read interval of the first read
+    kinds = [type(i.message).__name__ for i in items]
+    assert kinds == ["Heartbeat", "Delta"]
+    syncer.ack(items)
+    # Known now: its next deltas wait for the usual read.
+    send_all(learner, [make_delta("learner-0", 2, 0)])
+    learner.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0", step=2))
+    assert [type(i.message).__name__ for i in syncer.receive(1.0)] == ["Delta"]
+    syncer.close()
+    learner.close()
+
+
+@pytest.mark.timeout(30)
 def test_restarted_consumer_reads_its_own_pending_entries_first(redis_server: RedisServer) -> None:
     url = redis_server.url
     learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=1)
