@@ -562,7 +562,7 @@ class FragmentState:
             # Finite inputs can still overflow; never publish a broken model.
             raise RoundOverflow(f"fragment {self.fragment}: outer step overflowed", refs)
         master, momentum, published, self.publication = stepped
-        if master is not self.master:  # not stepped in place: the old one is spare
+        if self._compiled and master is not self.master:  # not in place: the old one is spare
             self._spare_master = self.master
         if momentum is not self.momentum:
             self._spare_momentum = self.momentum
