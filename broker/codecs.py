@@ -259,21 +259,22 @@ class Codec:
         # Read at most expected + 1 bytes so a decompression bomb cannot
         # allocate more than the message is allowed to hold.
         try:
-            if self.lossless == "zstd":
-                reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data))
-                if out is None or len(out) < expected:
-                    return cast(bytes, reader.read(expected + 1))
-                view = memoryview(out)[:expected]
-                size = 0
-                while size < expected and (got := reader.readinto(view[size:])):
-                    size += got
-                if size == expected and reader.read(1):
-                    raise CodecError(f"{self.name}: the stream holds more than {expected} bytes")
-                return view[:size]
-            dec = lz4.frame.LZ4FrameDecompressor()
-            return cast(bytes, dec.decompress(data, max_length=expected + 1))
+            if self.lossless == "lz4":
+                dec = lz4.frame.LZ4FrameDecompressor()
+                return cast(bytes, dec.decompress(data, max_length=expected + 1))
+            reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data))
+            if out is None or len(out) < expected:
+                return cast(bytes, reader.read(expected + 1))
+            view = memoryview(out)[:expected]
+            size = 0
+            while size < expected and (got := reader.readinto(view[size:])):
+                size += got
+            longer = size == expected and bool(reader.read(1))
         except (zstandard.ZstdError, RuntimeError, ValueError) as e:
             raise CodecError(f"{self.name}: corrupt {self.lossless} stream: {e}") from None
+        if longer:
+            raise CodecError(f"{self.name}: the stream holds more than {expected} bytes")
+        return view[:size]
 
     def _quantise(self, flat: torch.Tensor, fit_scales: bool) -> bytes:
         if self.quant == "fp32":
