@@ -729,8 +729,9 @@ class FragmentState:
             self.master.numpy(),
             (no_momentum if self.momentum is None else self.momentum).numpy(),
             self.weights.numpy(),
-            master.numpy(),
-            momentum.numpy(),
+            # In place: empty outputs (the kernel writes through its inputs).
+            (no_momentum if in_place else master).numpy(),
+            (no_momentum if in_place and self.momentum is not None else momentum).numpy(),
             version.numpy(),
             new_scales,
             new_codes,

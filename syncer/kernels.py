@@ -161,7 +161,9 @@ def close_int2(
     already weighted (deltas of other codecs, shifts of older bases);
     ``rebase`` is the weight of the deltas on ``previous``, the current
     version. Then ``b = mu * momentum + update`` (``update`` alone when
-    ``momentum`` is empty), ``new_master = master - lr * (update + mu * b)``,
+    ``momentum`` is empty), ``new_master = master - lr * (update + mu * b)``
+    (``new_master`` and ``new_momentum`` empty: both written into ``master``
+    and ``momentum``, or into ``new_momentum`` where ``momentum`` is empty),
     and the change ``new_master - previous`` is quantised into ``new_scales``
     (least-squares, bf16-rounded) and ``new_codes``; ``new_version =
     previous + decoded change``. ``codes`` and ``new_codes`` hold whole tiles
@@ -176,8 +178,13 @@ def close_int2(
     numel = master.size
     deltas = rows.size
     has_momentum, has_dense = momentum.size > 0, dense.size > 0
-    # update, change, codes, the last tile's version, new master, new momentum
-    scratch = np.zeros((6, TILE), np.float32)
+    in_place = new_master.size == 0
+    if in_place:
+        new_master = master
+        if has_momentum:
+            new_momentum = momentum
+    # update, change, codes, the last tile's version
+    scratch = np.zeros((4, TILE), np.float32)
     per_block = np.zeros((4, TILE_BLOCKS), np.float32)  # absmax, energy, dot / energy, scale
     fields = np.zeros(TILE // 4, np.uint32)  # a tile's 2-bit fields, a byte each
     tops = np.zeros(2, np.uint32)  # largest magnitudes (as bits) of the change, and of a scale
@@ -203,15 +210,15 @@ def close_int2(
             outputs,
             (scales, codes, rows, fractions, new_scales, new_codes, start // BLOCK),
             (rebase, share, lr, mu),
-            (deltas, has_momentum, has_dense),
+            (deltas, has_momentum, has_dense, in_place),
             scratch,
             per_block,
             fields,
             tops,
         )
-        if count < TILE:
-            new_master[start:] = padded[4, :count]
-            new_momentum[start:] = padded[5, :count]
+        if count < TILE:  # in place, the step went into the padded inputs
+            new_master[start:] = padded[0 if in_place else 4, :count]
+            new_momentum[start:] = padded[2 if in_place and has_momentum else 5, :count]
             new_version[start:] = scratch[3, :count]
     finite = np.uint32(tops[0] & _EXPONENT_BITS) != _EXPONENT_BITS  # NaN's bits are the largest
     return finite, _bits_as_float(tops[0]), _bits_as_float(tops[1])
@@ -225,7 +232,7 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
     stepped, buffers, version = outputs  # its new master, momentum and version
     scales, codes, rows, fractions, new_scales, new_codes, first = blocks
     rebase, share, lr, mu = factors
-    deltas, has_momentum, has_dense = shape
+    deltas, has_momentum, has_dense, in_place = shape
     update, moved, levels = scratch[0], scratch[1], scratch[2]
     field_bytes = fields.view(np.uint8)
     # -- the merged update (the rebased deltas' part is added in the step below)
@@ -246,30 +253,34 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
             scale = scales[row, first + b] * fractions[m]
             for j in range(b * BLOCK, b * BLOCK + BLOCK):
                 update[j] += (np.float32(field_bytes[j]) - np.float32(2.0)) * scale
-    # -- the outer step, and the change from the published version. The new
-    # master and momentum go to the scratch first: they may be written in place
-    # of the old ones, and a loop whose output may overlap its input is not
-    # vectorised.
-    new_weights, new_buffers = scratch[4], scratch[5]
-    if has_momentum:
+    # -- the outer step, and the change from the published version. Each loop
+    # writes its outputs through the arrays it reads them from, or into arrays
+    # apart from its inputs: an output that may overlap an input (in place
+    # through another name) keeps a loop from being vectorised.
+    if has_momentum and in_place:
         for j in range(TILE):
-            step = (update[j] + rebase * (weights[j] - base[j])) * share
-            buffer = mu * momentum[j] + step
-            value = weights[j] - lr * (step + mu * buffer)
-            new_weights[j] = value
-            new_buffers[j] = buffer
+            value, buffer = _outer_step(update[j], weights[j], base[j], momentum[j], True, factors)
+            weights[j] = value
+            momentum[j] = buffer
+            moved[j] = value - base[j]
+    elif has_momentum:
+        for j in range(TILE):
+            value, buffer = _outer_step(update[j], weights[j], base[j], momentum[j], True, factors)
+            stepped[j] = value
+            buffers[j] = buffer
+            moved[j] = value - base[j]
+    elif in_place:
+        for j in range(TILE):
+            value, buffer = _outer_step(update[j], weights[j], base[j], 0.0, False, factors)
+            weights[j] = value
+            buffers[j] = buffer
             moved[j] = value - base[j]
     else:
         for j in range(TILE):
-            step = (update[j] + rebase * (weights[j] - base[j])) * share
-            value = weights[j] - lr * (step + mu * step)
-            new_weights[j] = value
-            new_buffers[j] = step
+            value, buffer = _outer_step(update[j], weights[j], base[j], 0.0, False, factors)
+            stepped[j] = value
+            buffers[j] = buffer
             moved[j] = value - base[j]
-    for j in range(TILE):
-        stepped[j] = new_weights[j]
-    for j in range(TILE):
-        buffers[j] = new_buffers[j]
     # -- each block's codes and least-squares scale (Codec._scaled_codes). What
     # is done once per block is done for every block of the tile in one loop, so
     # that it is vectorised too.
@@ -314,6 +325,16 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
         spread = fields[k]
         packed = (spread | (spread >> 6) | (spread >> 12) | (spread >> 18)) & 0xFF
         new_codes[first * (BLOCK // 4) + k] = np.uint8(packed)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"}, inline="always")
+def _outer_step(update, weights, base, momentum, has_momentum, factors):
+    """One value's new master and momentum: the rebased update, scaled by the
+    share, into Nesterov momentum (the step itself before the first step)."""
+    rebase, share, lr, mu = factors
+    step = (update + rebase * (weights - base)) * share
+    buffer = mu * momentum + step if has_momentum else step
+    return weights - lr * (step + mu * buffer), buffer
 
 
 def warm_up() -> None:
