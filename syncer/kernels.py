@@ -186,7 +186,7 @@ def close_int2(
     # update, change, codes, the last tile's version
     scratch = np.zeros((4, TILE), np.float32)
     per_block = np.zeros((4, TILE_BLOCKS), np.float32)  # absmax, energy, dot / energy, scale
-    fields = np.zeros(TILE // 4, np.uint32)  # a tile's 2-bit fields, a byte each
+    fields = np.zeros((2, TILE // 4), np.uint32)  # two deltas' 2-bit fields of a tile, a byte each
     tops = np.zeros(2, np.uint32)  # largest magnitudes (as bits) of the change, and of a scale
     padded = np.zeros((6, TILE), np.float32)  # the last tile's inputs and outputs
     for start in range(0, numel, TILE):
@@ -234,7 +234,7 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
     rebase, share, lr, mu = factors
     deltas, has_momentum, has_dense, in_place = shape
     update, moved, levels = scratch[0], scratch[1], scratch[2]
-    field_bytes = fields.view(np.uint8)
+    field_bytes = fields[0].view(np.uint8)
     # -- the merged update (the rebased deltas' part is added in the step below)
     if has_dense:
         for j in range(TILE):
@@ -242,15 +242,25 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
     else:
         for j in range(TILE):
             update[j] = 0.0
-    for m in range(deltas):
-        row = rows[m]
-        # Each byte's four fields spread to a byte each, with the same shifts for
-        # every byte.
-        for k in range(TILE_BYTES):
-            packed = np.uint32(codes[row, first * (BLOCK // 4) + k])
-            fields[k] = (packed | (packed << 6) | (packed << 12) | (packed << 18)) & 0x03030303
+    # Two deltas a pass (the update is read and written half as often), then the
+    # last one of an odd count.
+    offset = first * (BLOCK // 4)
+    other = fields[1].view(np.uint8)
+    for m in range(0, deltas - 1, 2):
+        _spread(codes[rows[m], offset : offset + TILE_BYTES], fields[0])
+        _spread(codes[rows[m + 1], offset : offset + TILE_BYTES], fields[1])
         for b in range(TILE_BLOCKS):
-            scale = scales[row, first + b] * fractions[m]
+            scale = scales[rows[m], first + b] * fractions[m]
+            scale_other = scales[rows[m + 1], first + b] * fractions[m + 1]
+            for j in range(b * BLOCK, b * BLOCK + BLOCK):
+                update[j] += (np.float32(field_bytes[j]) - np.float32(2.0)) * scale + (
+                    np.float32(other[j]) - np.float32(2.0)
+                ) * scale_other
+    if deltas % 2:
+        m = deltas - 1
+        _spread(codes[rows[m], offset : offset + TILE_BYTES], fields[0])
+        for b in range(TILE_BLOCKS):
+            scale = scales[rows[m], first + b] * fractions[m]
             for j in range(b * BLOCK, b * BLOCK + BLOCK):
                 update[j] += (np.float32(field_bytes[j]) - np.float32(2.0)) * scale
     # -- the outer step, and the change from the published version. Each loop
@@ -322,9 +332,18 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
     for j in range(TILE):
         field_bytes[j] = np.uint8(np.int32(levels[j]) + 2)
     for k in range(TILE_BYTES):
-        spread = fields[k]
+        spread = fields[0, k]
         packed = (spread | (spread >> 6) | (spread >> 12) | (spread >> 18)) & 0xFF
         new_codes[first * (BLOCK // 4) + k] = np.uint8(packed)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _spread(packed_codes: np.ndarray, fields: np.ndarray) -> None:
+    """Each byte's four 2-bit fields spread to a byte each (of ``fields``, as
+    bytes), with the same shifts for every byte."""
+    for k in range(packed_codes.size):
+        packed = np.uint32(packed_codes[k])
+        fields[k] = (packed | (packed << 6) | (packed << 12) | (packed << 18)) & 0x03030303
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"}, inline="always")
