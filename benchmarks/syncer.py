@@ -13,8 +13,9 @@ weighted mean, the Nesterov outer step, and the canonical encoding of the new
 global; with int2 globals, the default, in one compiled pass:
 :mod:`syncer.kernels`). ``aggregate_gbps`` is the fp32 bytes of deltas processed per second
 over all of it; ``memcpy_gbps`` is ``torch`` copying the same fp32 bytes of
-one delta from one buffer to another; ``ratio`` is the first over the second.
-Each figure is the best of ``repeats`` rounds. One torch thread throughout.
+one delta from one buffer to another, timed twice before each round; ``ratio``
+is the first over the second. Each figure is the best of ``repeats`` rounds (and
+of their copies). One torch thread throughout.
 """
 
 from __future__ import annotations
@@ -62,13 +63,6 @@ def _params(global_codec: Codec) -> AggregationParams:
         quarantine_window=16,
         quarantine_action="clip",
     )
-
-
-def memcpy_gbps(numel: int, repeats: int) -> float:
-    src = torch.randn(numel)
-    dst = torch.empty_like(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats + 1))
-    return numel * 4 / best / 1e9
 
 
 def _timed(fn: Any) -> float:
@@ -131,11 +125,18 @@ def measure(mib: int, delta_codec: Codec, global_codec: Codec, repeats: int) -> 
         delta_codec.encode(1e-3 * torch.randn(numel, generator=gen)) for _ in range(LEARNERS)
     ]
     warm_up = params.staleness + 1
-    rounds = [one_round(state, payloads, delta_codec, i) for i in range(warm_up + repeats)]
-    rounds = rounds[warm_up:]
+    for i in range(warm_up):
+        one_round(state, payloads, delta_codec, i)
+    # The copies are timed between the rounds, so that both see the machine as
+    # it is then (memory bandwidth here moves by a quarter from minute to minute).
+    source, target = torch.randn(numel), torch.empty(numel)
+    rounds, copies = [], []
+    for i in range(warm_up, warm_up + repeats):
+        copies += [_timed(lambda: target.copy_(source)) for _ in range(2)]
+        rounds.append(one_round(state, payloads, delta_codec, i))
     best = min(rounds, key=lambda r: r["total_s"])
     delta_bytes = LEARNERS * numel * 4
-    copy = memcpy_gbps(numel, repeats)
+    copy = numel * 4 / min(copies) / 1e9
     gbps = delta_bytes / best["total_s"] / 1e9
     return {
         "fragment_bytes": numel * 4,
