@@ -17,8 +17,12 @@ syncer sent, which is what the learners' interfaces received. Each byte counts
 once in every mode.
 
 Time to target: the target is the worst of the three final losses
-unthrottled. Decoupled runs whole at every rate and its time is read off its
-own held-out loss curve (from the learners' start). Data parallel and DiLoCo
+unthrottled. Held-out losses come from copies of the model taken every
+``EVAL_EVERY_S`` seconds (every tenth of the run in data parallel) and
+evaluated after training (``--eval-deferred``), so that evaluating does not
+take the learners' CPU in any mode; each point keeps the time of its copy.
+Decoupled runs whole at every rate and its time is read off its own held-out
+loss curve (from the learners' start). Data parallel and DiLoCo
 compute the same thing at every step whatever the link, so a throttled run of
 theirs is only long enough to time ``MEASURED_STEPS`` steps after a warm-up,
 and their time to target is the steps to target of the unthrottled run times
@@ -104,7 +108,8 @@ def run_once(
     steps = mode["timed_steps"] if timed_only else mode["steps"]
     args = [
         "--netns", *SYSTEMS[system], "--learners", str(mode["learners"]), "--steps", str(steps),
-        "--seed", "0", "--eval-every-s", str(EVAL_EVERY_S), *mode["extra"], *extra,
+        "--seed", "0", "--eval-every-s", str(EVAL_EVERY_S), "--eval-deferred",
+        *mode["extra"], *extra,
     ]  # fmt: skip
     if rate:
         args += ["--link-rate", f"{rate}mbit"]

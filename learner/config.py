@@ -85,6 +85,9 @@ class EvalConfig:
     eval_every: int = 0  # a learner without a syncer evaluates every this many steps; 0: ends
     eval_batches: int = 8
     eval_batch_size: int = 16
+    # On a machine the learners share, evaluating while they train takes their
+    # time: a copy of the model (memory: one per evaluation) is taken instead.
+    eval_deferred: bool = False  # copy the model at each evaluation; evaluate the copies at the end
 
     def __post_init__(self) -> None:
         check_positive("eval_every_s", self.eval_every_s, allow_zero=True)

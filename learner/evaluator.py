@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,6 +28,42 @@ from learner.workload import WorkloadContext, load_workload
 
 log = logging.getLogger(__name__)
 EVALUATOR_ID = "evaluator"
+
+
+class DeferredEvaluations:
+    """Copies of a model taken to be evaluated later (``eval_deferred``), each with
+    the wall-clock time it was taken and the fields of its event."""
+
+    def __init__(self) -> None:
+        self._copies: list[tuple[float, dict[str, Any], list[torch.Tensor]]] = []
+
+    def keep(self, model: torch.nn.Module, **fields: Any) -> None:
+        state = [t.detach().clone() for t in model.state_dict().values()]
+        self._copies.append((time.time(), fields, state))
+
+    def evaluate_all(
+        self, model: torch.nn.Module, evaluate: Callable[[torch.nn.Module], float], events: EventLog
+    ) -> list[float]:
+        """Evaluate every copy in ``model`` (restored afterwards) and write its
+        ``eval`` event at the time the copy was taken; returns the losses."""
+        current = [t.detach().clone() for t in model.state_dict().values()]
+        losses = []
+        for taken_at, fields, state in self._copies:
+            _load(model, state)
+            loss = evaluate(model)
+            events.write("eval", at=taken_at, loss=loss, deferred=True, **fields)
+            losses.append(loss)
+        _load(model, current)
+        if self._copies:
+            log.info("evaluated %d deferred copies of the model", len(self._copies))
+        self._copies.clear()
+        return losses
+
+
+def _load(model: torch.nn.Module, state: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for target, source in zip(model.state_dict().values(), state, strict=True):
+            target.copy_(source)
 
 
 class Evaluator:
@@ -54,6 +92,7 @@ class Evaluator:
             max_message_bytes=self.plan.max_message_bytes,
         )
         self.decoder = GlobalDecoder(self.plan, self.transport)
+        self.deferred = DeferredEvaluations() if cfg.eval.eval_deferred else None
 
     def _catch_up(self, timeout_s: float) -> None:
         """Apply the globals that arrived within ``timeout_s``."""
@@ -71,10 +110,15 @@ class Evaluator:
             if self.fragments.is_newer(p, stamp):
                 self.fragments.apply(p, stamp, flat, self.params)
 
-    def evaluate(self, final: bool = False) -> float:
+    def evaluate(self, final: bool = False) -> float | None:
+        """The held-out loss of the global model now; with ``eval_deferred``
+        (except the final one) a copy of it to evaluate when the run ends."""
+        versions = self.fragments.versions()
+        if self.deferred is not None and not final:
+            self.deferred.keep(self.model, versions=versions, final=False)
+            return None
         loss = self._evaluate(self.model)
         self.losses.append(loss)
-        versions = self.fragments.versions()
         self.events.write("eval", loss=loss, versions=versions, final=final)
         log.info("eval loss %.4f at versions %s", loss, versions)
         return loss
@@ -98,6 +142,8 @@ class Evaluator:
             self._load_snapshot(timeout_s=10.0)
         except (TimeoutError, TransportError) as e:
             log.warning("no final snapshot (%s); evaluating the last globals received", e)
+        if self.deferred is not None:
+            self.losses += self.deferred.evaluate_all(self.model, self._evaluate, self.events)
         self.evaluate(final=True)
         self.transport.close()
         self.events.close()

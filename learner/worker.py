@@ -22,6 +22,7 @@ import torch._dynamo  # noqa: F401  (a first optimizer imports it: seconds, here
 from broker.files import EventLog
 from broker.runtime import freeze_startup_heap
 from learner.config import LearnerConfig, TrainConfig
+from learner.evaluator import DeferredEvaluations
 from learner.group import TorchrunGroup
 from learner.library import DecoupledDiLoCo
 from learner.telemetry import ProgressFile
@@ -99,15 +100,25 @@ class Learner:
             learner=cfg.learner_id,
             incarnation=self.sync.incarnation,
         )
+        self.deferred = DeferredEvaluations() if cfg.eval.eval_deferred else None
         # Built and about to join: what a restart spends before this (interpreter,
         # imports, model) and after it (joining, to 'start') are told apart.
         self.events.write("ready", step=self.sync.start_step, imported=IMPORTED_AT)
 
-    def _evaluate(self, step: int) -> None:
-        """Without a syncer (data parallel) the learner reports the held-out loss itself."""
-        if not self.sync.syncing and self.group.leader and self.workload.evaluate is not None:
-            loss = self.workload.evaluate(self.model)
-            self.events.write("eval", step=step, loss=loss, tokens=self.sync.tokens)
+    def _evaluate(self, step: int, final: bool = False) -> None:
+        """Without a syncer (data parallel) the learner reports the held-out loss
+        itself: at once, or with ``eval_deferred`` (except the final one) from a
+        copy of the model, evaluated before the final one."""
+        evaluate = self.workload.evaluate
+        if self.sync.syncing or not self.group.leader or evaluate is None:
+            return
+        if self.deferred is not None:
+            if not final:
+                self.deferred.keep(self.model, step=step, tokens=self.sync.tokens)
+                return
+            self.deferred.evaluate_all(self.model, evaluate, self.events)
+        loss = evaluate(self.model)
+        self.events.write("eval", step=step, loss=loss, tokens=self.sync.tokens)
 
     def run(self) -> dict[str, Any]:
         cfg, sync, steps = self.cfg, self.sync, self.cfg.run.steps
@@ -170,7 +181,7 @@ class Learner:
                     sync.save_progress()
                     break
             self.events.write("train_end", step=last_step)
-            self._evaluate(last_step)
+            self._evaluate(last_step, final=True)
         # Leaving the context sent the remaining progress and stopped the comm thread.
         result = {
             "steps": last_step,

@@ -180,3 +180,27 @@ def test_syncer_killed_and_restarted_learners_never_stop_nothing_applied_twice(
     # their losses differ without any fault: 1.989 and 2.105 for one command on
     # this project's 2-core machine (5.8%). A lost or doubled round costs more.
     assert summary["final_eval_loss"] <= baseline["final_eval_loss"] * 1.10
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", ["decoupled", "ddp"])
+def test_deferred_evaluations_are_dated_by_their_copies(tmp_path: Path, mode: str) -> None:
+    summary, events = run_local(
+        tmp_path / "run", "--steps", "40", "--mode", mode, "--eval-deferred", timeout_s=400
+    )
+    # Written after training (the evaluator's file, or learner-0's, in that order):
+    # every evaluation but the last is from a copy, dated when it was taken.
+    source = tmp_path / "run" / ("evaluator.jsonl" if mode == "decoupled" else "learners")
+    path = source if source.is_file() else source / "learner-0.jsonl"
+    written = [json.loads(line) for line in path.read_text().splitlines()]
+    evals = [e for e in written if e["event"] == "eval"]
+    copies, final = evals[:-1], evals[-1]
+    assert len(copies) >= 3 and all(e["deferred"] for e in copies)
+    assert "deferred" not in final and summary["final_eval_loss"] == final["loss"]
+    run_start = next(e["t"] for e in events if e["event"] == "run_start")
+    times = [e["t"] for e in copies]
+    assert run_start < times[0] and times == sorted(times) and times[-1] < final["t"]
+    # The first copy is the initial model; the copies follow the training.
+    assert copies[0]["loss"] > 5.0 and copies[-1]["loss"] < copies[0]["loss"] - 1.0
+    # The run's curve holds them all, in time order.
+    assert [e["loss"] for e in events if e["event"] == "eval"] == [e["loss"] for e in evals]

@@ -8,19 +8,23 @@ own tests against real sockets and a real Redis).
 
 from __future__ import annotations
 
+import json
 import queue
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from broker.codecs import Codec, apply_change
+from broker.files import EventLog
 from broker.fragments import FragmentPlan, ParamSpec
 from broker.transport import LearnerTransport, TransportStats
 from broker.wire import Delta, GlobalFragment, Heartbeat, weights_checksum
 from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
 from learner.config import WorkloadConfig
+from learner.evaluator import DeferredEvaluations
 from learner.fragment_sync import FragmentSync
 from learner.join import DIVERGED, NO_BASE, STALE, GlobalDecoder
 from learner.library import DecoupledDiLoCo
@@ -497,3 +501,33 @@ def test_a_global_that_does_not_make_the_version_it_names_is_refused() -> None:
     right = replace(wrong, weights_crc=weights_checksum(apply_change(base, codec.decode(
         codec.encode(step), base.numel()))))  # fmt: skip
     assert not isinstance(decoder.decode(right), str)
+
+
+def test_deferred_evaluations_see_each_copy_at_its_time_and_restore_the_model(
+    tmp_path: Path,
+) -> None:
+    model = torch.nn.Linear(2, 1, bias=False)
+    deferred = DeferredEvaluations()
+    taken = []
+    for value in (1.0, 2.0):
+        with torch.no_grad():
+            model.weight.fill_(value)
+        taken.append(time.time())
+        deferred.keep(model, step=int(value))
+        time.sleep(0.01)
+    with torch.no_grad():
+        model.weight.fill_(3.0)  # the model when training ends
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    losses = deferred.evaluate_all(model, lambda m: float(m.weight.sum()), events)
+    events.close()
+    assert losses == [2.0, 4.0]  # each copy's weights, not the model's at the end
+    assert model.weight.tolist() == [[3.0, 3.0]]
+    written = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"], e["loss"], e["deferred"]) for e in written] == [
+        ("eval", 1, 2.0, True),
+        ("eval", 2, 4.0, True),
+    ]
+    # Each event is dated when its copy was taken, not when it was evaluated.
+    for event, start in zip(written, taken, strict=True):
+        assert start <= event["t"] < start + 0.01
+    assert deferred.evaluate_all(model, lambda m: 0.0, events) == []  # evaluated once
