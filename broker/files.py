@@ -75,11 +75,13 @@ class EventLog:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", buffering=1)  # noqa: SIM115 (closed in close())
 
-    def write(self, kind: str, at: float | None = None, **fields: Any) -> None:
-        """One event, at wall-clock time ``at`` (now if None)."""
+    def write(self, kind: str, **fields: Any) -> None:
+        self.write_at(time.time(), kind, **fields)
+
+    def write_at(self, at: float, kind: str, **fields: Any) -> None:
+        """An event that happened at wall-clock time ``at``, written now."""
         if self._file is not None:
-            stamp = time.time() if at is None else at
-            self._file.write(json.dumps({"t": stamp, "event": kind, **self.fixed, **fields}) + "\n")
+            self._file.write(json.dumps({"t": at, "event": kind, **self.fixed, **fields}) + "\n")
 
     def close(self) -> None:
         if self._file is not None:

@@ -51,7 +51,7 @@ class DeferredEvaluations:
         for taken_at, fields, state in self._copies:
             _load(model, state)
             loss = evaluate(model)
-            events.write("eval", at=taken_at, loss=loss, deferred=True, **fields)
+            events.write_at(taken_at, "eval", loss=loss, deferred=True, **fields)
             losses.append(loss)
         _load(model, current)
         if self._copies:
