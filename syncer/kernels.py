@@ -267,30 +267,16 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
     # writes its outputs through the arrays it reads them from, or into arrays
     # apart from its inputs: an output that may overlap an input (in place
     # through another name) keeps a loop from being vectorised.
+    # Without momentum, the new momentum's array stands in for the old one:
+    # _outer_step reads it but does not use it.
     if has_momentum and in_place:
-        for j in range(TILE):
-            value, buffer = _outer_step(update[j], weights[j], base[j], momentum[j], True, factors)
-            weights[j] = value
-            momentum[j] = buffer
-            moved[j] = value - base[j]
+        _step_tile(update, weights, base, momentum, True, factors, weights, momentum, moved)
     elif has_momentum:
-        for j in range(TILE):
-            value, buffer = _outer_step(update[j], weights[j], base[j], momentum[j], True, factors)
-            stepped[j] = value
-            buffers[j] = buffer
-            moved[j] = value - base[j]
+        _step_tile(update, weights, base, momentum, True, factors, stepped, buffers, moved)
     elif in_place:
-        for j in range(TILE):
-            value, buffer = _outer_step(update[j], weights[j], base[j], 0.0, False, factors)
-            weights[j] = value
-            buffers[j] = buffer
-            moved[j] = value - base[j]
+        _step_tile(update, weights, base, buffers, False, factors, weights, buffers, moved)
     else:
-        for j in range(TILE):
-            value, buffer = _outer_step(update[j], weights[j], base[j], 0.0, False, factors)
-            stepped[j] = value
-            buffers[j] = buffer
-            moved[j] = value - base[j]
+        _step_tile(update, weights, base, buffers, False, factors, stepped, buffers, moved)
     # -- each block's codes and least-squares scale (Codec._scaled_codes). What
     # is done once per block is done for every block of the tile in one loop, so
     # that it is vectorised too.
@@ -344,6 +330,22 @@ def _spread(packed_codes: np.ndarray, fields: np.ndarray) -> None:
     for k in range(packed_codes.size):
         packed = np.uint32(packed_codes[k])
         fields[k] = (packed | (packed << 6) | (packed << 12) | (packed << 18)) & 0x03030303
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"}, inline="always")
+def _step_tile(
+    update, weights, base, momentum, has_momentum, factors, new_weights, new_momentum, moved
+):
+    """A tile's outer step into ``new_weights`` and ``new_momentum``, and its
+    change from ``base`` into ``moved``. Inlined, so an output that is an input
+    (in place) is the same array to the compiler, and the loop is vectorised."""
+    for j in range(TILE):
+        value, buffer = _outer_step(
+            update[j], weights[j], base[j], momentum[j], has_momentum, factors
+        )
+        new_weights[j] = value
+        new_momentum[j] = buffer
+        moved[j] = value - base[j]
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"}, inline="always")
