@@ -45,6 +45,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import compute_floor
 from benchmarks.local_run import local_run
 from benchmarks.quality import SYSTEMS as QUALITY_SYSTEMS
 from benchmarks.quality import TINY
@@ -68,6 +69,7 @@ MODES: dict[str, dict[str, Any]] = {
 # Where decoupled at the defaults should be against data parallel and the reference.
 TARGETS = {"bytes_ratio_vs_ddp": 100.0, "eval_loss_gap": 0.01, "speedup_vs_ddp_at_10mbit": 10.0}
 EVAL_EVERY_S = 3.0  # the evaluator's period: finer than the default, for the time curve
+FLOOR_STEPS = {"smoke": 10, "quick": 60, "full": 60}  # timed steps of each bare loop
 
 
 def step_time(folder: Path, warmup: int) -> tuple[float, int]:
@@ -163,9 +165,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarise(
-    free: dict[str, dict[str, Any]], throttled: dict[int, dict[str, dict[str, Any]]]
+    free: dict[str, dict[str, Any]],
+    throttled: dict[int, dict[str, dict[str, Any]]],
+    floor: dict[str, Any],
 ) -> dict[str, Any]:
-    """The JSON's figures from the runs: unthrottled per system, then per rate."""
+    """The JSON's figures from the runs (unthrottled per system, then per rate)
+    and the host's compute floor (``benchmarks.compute_floor``)."""
     target = max(r["final_eval_loss"] for r in free.values())
     reference, ddp = free["diloco"]["final_eval_loss"], free["ddp"]["final_eval_loss"]
     # ddp's bytes per step do not depend on the link: its whole unthrottled run is
@@ -197,9 +202,14 @@ def summarise(
                 "speedup_vs_ddp": _ratio(
                     modes["ddp"]["time_to_target_s"], modes["decoupled"]["time_to_target_s"]
                 ),
+                # 1.0: decoupled's learners step as fast as bare training loops can
+                # on this host, so only fewer steps to the target would make it faster.
+                "decoupled_step_over_floor": _ratio(
+                    modes["decoupled"]["seconds_per_step"], floor["seconds_per_step_together"]
+                ),
             }
         )
-    return {"target_loss": target, "rates": rates}
+    return {"target_loss": target, "rates": rates, "compute_floor": floor}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         rate: {s: run_once(out, mode, s, rate, args.extra) for s in SYSTEMS}
         for rate in mode["rates_mbit"]
     }
+    print(f"compute floor: {mode['learners']} bare training loops at once", flush=True)
+    floor_args = [*mode["extra"], *args.extra]
+    floor = compute_floor.measure(mode["learners"], FLOOR_STEPS[name], floor_args)
     result: dict[str, Any] = {
         "benchmark": "wan",
         "mode": name,
@@ -234,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "systems": {s: " ".join(flags) for s, flags in SYSTEMS.items()},
         "bytes_counted": "interface transmit counters: learners, plus the syncer's "
         "(the learners' received bytes) for diloco and decoupled",
-        **summarise(free, throttled),
+        **summarise(free, throttled, floor),
         "targets": TARGETS,
         "runs": [*free.values(), *(r for runs in throttled.values() for r in runs.values())],
     }
@@ -243,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     shown = {k: result[k] for k in ("mode", "target_loss")}
     shown["rates"] = [
         {k: r[k] for k in ("rate_mbit", "bytes_ratio_vs_ddp", "eval_loss_gap",
-                           "eval_loss_gap_vs_ddp", "speedup_vs_ddp")}
+                           "eval_loss_gap_vs_ddp", "speedup_vs_ddp",
+                           "decoupled_step_over_floor")}
         | {s: m["time_to_target_s"] for s, m in r["modes"].items()}
         for r in result["rates"]
     ]  # fmt: skip
+    shown["compute_floor_s_per_step"] = floor["seconds_per_step_together"]
     print(json.dumps(shown, indent=2))
     return 0
 

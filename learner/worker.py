@@ -61,6 +61,16 @@ def lr_at(step: int, train: TrainConfig, steps: int) -> float:
     return floor + 0.5 * (train.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
+def inner_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters (its lr is set each step by lr_at)."""
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        betas=(0.9, 0.95),
+    )
+
+
 class Learner:
     def __init__(self, cfg: LearnerConfig) -> None:
         self.cfg = cfg
@@ -81,12 +91,7 @@ class Learner:
         self.model = self.workload.model
         # Set from a signal handler (``docker stop``): end after this step, as at the last one.
         self.stop_requested = threading.Event()
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=cfg.train.lr,
-            weight_decay=cfg.train.weight_decay,
-            betas=(0.9, 0.95),
-        )
+        self.optimizer = inner_optimizer(self.model, cfg.train)
         self.sync = DecoupledDiLoCo(
             self.model,
             learner_id=cfg.learner_id,

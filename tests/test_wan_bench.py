@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from benchmarks.compute_floor import measure
+from benchmarks.quality import TINY
 from benchmarks.wan import first_reach, step_time, summarise
 
 
@@ -57,7 +59,8 @@ def test_figures_per_rate() -> None:
         "decoupled": run("decoupled", 10, 2.0, 50_000_000,
                          curve_seconds=[(0, 5.0), (100, 2.5), (200, 2.0)]),
     }  # fmt: skip
-    result = summarise(free, {10: slow})
+    floor = {"seconds_per_step_together": 0.4}
+    result = summarise(free, {10: slow}, floor)
     assert result["target_loss"] == 2.0  # the worst final loss unthrottled
     unthrottled, at10 = result["rates"]
     assert unthrottled["rate_mbit"] is None and at10["rate_mbit"] == 10
@@ -76,6 +79,9 @@ def test_figures_per_rate() -> None:
     assert at10["eval_loss_gap_vs_ddp"] == pytest.approx(2.0 / 1.8 - 1)
     assert unthrottled["bytes_ratio_vs_ddp"] == pytest.approx(100.0)
     assert unthrottled["eval_loss_gap"] == pytest.approx(1.9 / 2.0 - 1)
+    # decoupled's 0.5 s a step against bare loops' 0.4 on the same host.
+    assert at10["decoupled_step_over_floor"] == pytest.approx(0.5 / 0.4)
+    assert result["compute_floor"] is floor
 
 
 def test_a_run_that_never_reaches_the_target_has_no_speedup() -> None:
@@ -85,6 +91,23 @@ def test_a_run_that_never_reaches_the_target_has_no_speedup() -> None:
         "decoupled": run("decoupled", None, 1.9, 60),
     }
     slow = dict(free) | {"decoupled": run("decoupled", 10, 2.4, 50, curve_seconds=[(0, 5.0)])}
-    at10 = summarise(free, {10: slow})["rates"][1]
+    at10 = summarise(free, {10: slow}, {"seconds_per_step_together": 0.4})["rates"][1]
     assert at10["modes"]["decoupled"]["time_to_target_s"] is None
     assert at10["speedup_vs_ddp"] is None
+
+
+def test_compute_floor_times_real_bare_loops_alone_and_together() -> None:
+    """Real processes, each building the workload as a learner does."""
+    tiny = [*TINY, "--batch-size", "4"]
+    floor = measure(learners=2, steps=3, extra=tiny)
+    assert floor["learners"] == 2 and floor["timed_steps"] == 3
+    assert len(floor["seconds_per_step_together_each"]) == 2
+    assert floor["seconds_per_step_alone"] > 0
+    assert floor["seconds_per_step_together"] == pytest.approx(
+        sum(floor["seconds_per_step_together_each"]) / 2
+    )
+
+
+def test_compute_floor_names_a_bad_setting() -> None:
+    with pytest.raises(RuntimeError, match="exited with"):
+        measure(learners=1, steps=1, extra=["--model-d-model", "0"])
