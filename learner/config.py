@@ -86,7 +86,7 @@ class EvalConfig:
     eval_batches: int = 8
     eval_batch_size: int = 16
     # On a machine the learners share, evaluating while they train takes their
-    # time: a copy of the model (memory: one per evaluation) is taken instead.
+    # time: a copy of the model is written to TMPDIR instead (disk: one per evaluation).
     eval_deferred: bool = False  # copy the model at each evaluation; evaluate the copies at the end
 
     def __post_init__(self) -> None:

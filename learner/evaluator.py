@@ -10,9 +10,11 @@ syncer holds at the end of the run.
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,14 +34,26 @@ EVALUATOR_ID = "evaluator"
 
 class DeferredEvaluations:
     """Copies of a model taken to be evaluated later (``eval_deferred``), each with
-    the wall-clock time it was taken and the fields of its event."""
+    the wall-clock time it was taken and the fields of its event. The copies
+    wait in a temporary folder (``TMPDIR``), not in memory, so a long run with
+    frequent evaluations holds one model however many copies it takes."""
 
     def __init__(self) -> None:
-        self._copies: list[tuple[float, dict[str, Any], list[torch.Tensor]]] = []
+        self._folder = tempfile.TemporaryDirectory(prefix="ddiloco-deferred-")
+        self._copies: list[tuple[float, dict[str, Any], Path]] = []
+        self._written = 0
+
+    @property
+    def folder(self) -> Path:
+        """Where the copies not evaluated yet wait."""
+        return Path(self._folder.name)
 
     def keep(self, model: torch.nn.Module, **fields: Any) -> None:
-        state = [t.detach().clone() for t in model.state_dict().values()]
-        self._copies.append((time.time(), fields, state))
+        taken_at = time.time()
+        path = self.folder / f"copy-{self._written:06d}.pt"
+        torch.save([t.detach() for t in model.state_dict().values()], path)
+        self._written += 1
+        self._copies.append((taken_at, fields, path))
 
     def evaluate_all(
         self, model: torch.nn.Module, evaluate: Callable[[torch.nn.Module], float], events: EventLog
@@ -48,8 +62,9 @@ class DeferredEvaluations:
         ``eval`` event at the time the copy was taken; returns the losses."""
         current = [t.detach().clone() for t in model.state_dict().values()]
         losses = []
-        for taken_at, fields, state in self._copies:
-            _load(model, state)
+        for taken_at, fields, path in self._copies:
+            _load(model, torch.load(path, weights_only=True))
+            path.unlink()
             loss = evaluate(model)
             events.write_at(taken_at, "eval", loss=loss, deferred=True, **fields)
             losses.append(loss)

@@ -517,8 +517,12 @@ def test_deferred_evaluations_see_each_copy_at_its_time_and_restore_the_model(
         time.sleep(0.01)
     with torch.no_grad():
         model.weight.fill_(3.0)  # the model when training ends
+    # The copies wait on disk, not in memory, and are gone once evaluated.
+    folder = deferred.folder
+    assert len(list(folder.iterdir())) == 2
     events = EventLog(str(tmp_path / "events.jsonl"))
     losses = deferred.evaluate_all(model, lambda m: float(m.weight.sum()), events)
+    assert list(folder.iterdir()) == []
     events.close()
     assert losses == [2.0, 4.0]  # each copy's weights, not the model's at the end
     assert model.weight.tolist() == [[3.0, 3.0]]
