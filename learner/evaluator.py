@@ -41,7 +41,6 @@ class DeferredEvaluations:
     def __init__(self) -> None:
         self._folder = tempfile.TemporaryDirectory(prefix="ddiloco-deferred-")
         self._copies: list[tuple[float, dict[str, Any], Path]] = []
-        self._written = 0
 
     @property
     def folder(self) -> Path:
@@ -50,9 +49,9 @@ class DeferredEvaluations:
 
     def keep(self, model: torch.nn.Module, **fields: Any) -> None:
         taken_at = time.time()
-        path = self.folder / f"copy-{self._written:06d}.pt"
+        # Numbered among the copies waiting: an evaluated copy's file is gone.
+        path = self.folder / f"copy-{len(self._copies):06d}.pt"
         torch.save([t.detach() for t in model.state_dict().values()], path)
-        self._written += 1
         self._copies.append((taken_at, fields, path))
 
     def evaluate_all(
