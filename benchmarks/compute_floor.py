@@ -26,7 +26,7 @@ import torch
 
 from compose.cli_config import add_dataclass_args, dataclass_from_args
 from compose.local import LocalConfig
-from learner.worker import inner_optimizer, lr_at
+from learner.worker import inner_optimizer, inner_step, lr_at
 from learner.workload import WorkloadContext, load_workload
 
 WARMUP_STEPS = 5  # allocations and first-call costs, not timed
@@ -41,20 +41,13 @@ def bare_seconds_per_step(extra: list[str], steps: int, shard: int, shards: int)
     workload = load_workload(
         WorkloadContext(cfg.workload, shard=shard, num_shards=shards, train=cfg.train)
     )
-    model = workload.model
-    optimizer = inner_optimizer(model, cfg.train)
+    optimizer = inner_optimizer(workload.model, cfg.train)
     total = WARMUP_STEPS + steps
     for step in range(total):
         if step == WARMUP_STEPS:
             start = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.train, total)
-        loss = workload.loss(model, next(workload.batches))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        optimizer.step()
+        batch = next(workload.batches)
+        inner_step(workload, optimizer, batch, cfg.train, lr_at(step, cfg.train, total))
     return (time.perf_counter() - start) / steps
 
 

@@ -14,6 +14,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from learner.evaluator import DeferredEvaluations
 from learner.group import TorchrunGroup
 from learner.library import DecoupledDiLoCo
 from learner.telemetry import ProgressFile
-from learner.workload import WorkloadContext, load_workload
+from learner.workload import Workload, WorkloadContext, load_workload
 
 log = logging.getLogger(__name__)
 IMPORTED_AT = time.time()  # this process has its imports (torch): what a restart waits for first
@@ -69,6 +70,30 @@ def inner_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.A
         weight_decay=train.weight_decay,
         betas=(0.9, 0.95),
     )
+
+
+def inner_step(
+    workload: Workload,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    train: TrainConfig,
+    lr: float,
+    reduce_grads: Callable[[torch.nn.Module], None] | None = None,
+) -> torch.Tensor:
+    """One optimizer step of the workload's model on ``batch`` at learning rate
+    ``lr``; ``reduce_grads`` (data parallel) runs between backward and clipping.
+    Returns the batch's loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = workload.loss(workload.model, batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if reduce_grads is not None:
+        reduce_grads(workload.model)
+    if train.grad_clip:
+        torch.nn.utils.clip_grad_norm_(workload.model.parameters(), train.grad_clip)
+    optimizer.step()
+    return loss
 
 
 class Learner:
@@ -140,16 +165,15 @@ class Learner:
             for step in range(sync.start_step + 1, steps + 1):
                 last_step = step
                 t0 = time.perf_counter()
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr_at(step - 1, cfg.train, steps)
                 batch = next(self.workload.batches)
-                loss = self.workload.loss(self.model, batch)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                self.group.allreduce_grads(self.model)
-                if cfg.train.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
-                self.optimizer.step()
+                loss = inner_step(
+                    self.workload,
+                    self.optimizer,
+                    batch,
+                    cfg.train,
+                    lr_at(step - 1, cfg.train, steps),
+                    self.group.allreduce_grads,
+                )
                 compute_s = time.perf_counter() - t0
                 time.sleep(pace.rest_s(compute_s))
                 # Decoupled DiLoCo: take what arrived, send what is due, never wait.
