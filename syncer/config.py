@@ -28,9 +28,9 @@ class OuterConfig:
     trim_per_side: int = 1  # trimmed_mean: values dropped at each end of every coordinate
     grace_gamma: float = 0.5  # share of the overlap left after quorum that a round may wait
     staleness: int = 4  # S: versions kept per fragment for rebasing
-    weight_clip: float = 3.0  # cap each token-step weight at this x the round's median weight
+    weight_clip: float = 3.0  # cap each learner's token-step weight at this x the typical weight
     quarantine_factor: float = 10.0  # Q: bar on a delta's norm per step, x its fragment's median
-    quarantine_window: int = 16  # W: the last merged deltas per fragment whose median sets it
+    quarantine_window: int = 16  # W: the last merged terms per fragment whose median sets both
     quarantine_action: str = "clip"  # clip a delta above the bar down to it, or refuse it
     max_tokens_per_step: int = 1 << 24  # refuse a delta claiming more tokens per inner step
     max_clock_skew_s: float = 60.0  # how far ahead a learner's clock may be (for incarnations)
@@ -45,7 +45,7 @@ class OuterConfig:
         require(type(self.staleness) is int, "staleness must be an integer")
         check_positive("staleness", self.staleness)
         check_positive("weight_clip", self.weight_clip)
-        require(self.weight_clip >= 1, f"weight_clip={self.weight_clip}: use >= 1")
+        require(self.weight_clip > 1, f"weight_clip={self.weight_clip}: use > 1")
         check_positive("quarantine_factor", self.quarantine_factor)
         require(self.quarantine_factor > 1, f"quarantine_factor={self.quarantine_factor}: use > 1")
         check_int("quarantine_window", self.quarantine_window)

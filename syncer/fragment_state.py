@@ -13,9 +13,9 @@ version was published, and that must hold across a syncer restart.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import weakref
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
@@ -41,7 +41,7 @@ from syncer.aggregation import (
 )
 from syncer.outer import nesterov_step
 from syncer.quorum import Round
-from syncer.trust import ReportLimits, check_report, clip_weights, quarantine_bar
+from syncer.trust import ReportLimits, TypicalSize, check_report
 
 # Statuses of an offer. Anything else is a rejection reason.
 ACCEPTED = "accepted"
@@ -176,6 +176,37 @@ class _Contribution:
 
 
 @dataclass
+class _Term:
+    """One learner's part of a round: its deltas, one per base version it sent on.
+
+    A learner enters a round once, whatever it sent: its deltas on different
+    bases (it sent on one version, then overwrote the fragment with the next
+    and sent again) are one term, whose outer gradient is their token-step
+    weighted mean (each rebased on its own base), whose weight is that of
+    their summed steps and tokens, and whose norm per step, for the
+    quarantine, is the largest of theirs. Two terms would give it twice the
+    say of a learner that sent once, and two entries in the quarantine's
+    window.
+    """
+
+    learner: str
+    parts: list[_Contribution]
+
+    @property
+    def weight(self) -> float:
+        tokens = sum(c.c_tokens for c in self.parts)
+        return token_step_weight(tokens, sum(c.c_steps for c in self.parts))
+
+    @property
+    def norm_per_step(self) -> float:
+        return max(c.norm_per_step for c in self.parts)
+
+    def part_shares(self) -> list[float]:
+        """Each delta's share of the term: its token-step weight over theirs."""
+        return normalised_weights([c.weight for c in self.parts], len(self.parts))
+
+
+@dataclass
 class RoundResult:
     version: int
     included: int  # deltas merged
@@ -208,6 +239,9 @@ def _token(ref: Any) -> Any:
 
 
 FP32 = Codec("fp32")
+# MEASUREMENT ONLY (removed once measured): rebase on the fp32 master, not on
+# the published version.
+_REBASE_ON_MASTER = os.environ.get("DDILOCO_REBASE_ON_MASTER") == "1"
 
 
 @dataclass(frozen=True)
@@ -347,10 +381,10 @@ class FragmentState:
         # Refs to ack on close: one per (learner, incarnation, seq, transport token),
         # so repeated resends over one connection cost one entry.
         self._held: dict[tuple[Any, ...], Any] = {}
-        # Norms per step of the last merged deltas: the quarantine's reference.
-        # Only merged ones enter (clipped ones at their clipped size), so a
-        # refused delta can never raise the bar for the next one.
-        self.recent_norms: deque[float] = deque(maxlen=params.quarantine_window)
+        # The typical norm per step and weight of the last merged terms: the
+        # quarantine bar is Q x the one, the weight cap weight_clip x the other.
+        self.norm_sizes = TypicalSize(params.quarantine_window, params.quarantine_factor)
+        self.weight_sizes = TypicalSize(params.quarantine_window, params.weight_clip)
         # master - Theta(v) and its largest magnitude, per base version v, while
         # the master stays: rebasing a delta on v is adding it (see _shift).
         self._shifts: dict[int, tuple[torch.Tensor | None, float]] = {}
@@ -544,18 +578,31 @@ class FragmentState:
         if not self._pending:
             raise RuntimeError("no deltas to merge")
         contributions = [self._pending[slot] for slot in sorted(self._pending)]
-        kept, clipped, refused = self._quarantine(contributions)
+        terms = [
+            _Term(learner, [c for c in contributions if c.learner == learner])
+            for learner in sorted({c.learner for c in contributions})
+        ]
+        kept, clipped, refused = self._quarantine(terms)
         refs = [c.ref for c in contributions] + list(self._held.values())
         self._pending = {}
         self._held = {}
+        refused_keys = [self._key(c) for t in refused for c in t.parts]
         if not kept:
             self._release_all(contributions)
-            return RoundResult(self.version, 0, 0, refs, refused=[self._key(c) for c in refused])
-        weights = clip_weights([c.weight for c in kept], self.params.weight_clip)
+            return RoundResult(self.version, 0, 0, refs, refused=refused_keys)
+        cap = self.weight_sizes.limit([t.weight for t in kept])
+        weights = [t.weight if cap is None else min(t.weight, cap) for t in kept]
         share = len(kept) / learners if len(kept) < learners else None  # kept is not empty
+        parts = [c for t in kept for c in t.parts]
+        fractions = [
+            f * part for t, f in zip(kept, normalised_weights(weights, len(kept)), strict=True)
+            for part in t.part_shares()
+        ]  # fmt: skip
         try:
-            step = self._compiled_step if self._compiled else self._step
-            stepped = step(kept, weights, share)
+            if self._compiled:
+                stepped = self._compiled_step(parts, fractions, share)
+            else:
+                stepped = self._step(kept, weights, parts, fractions, share)
         finally:
             self._release_all(contributions)
         if stepped is None:
@@ -569,81 +616,87 @@ class FragmentState:
         self.master, self.momentum = master, momentum
         self._shifts = {}
         self._push(published, wall_s)
-        for c in kept:
+        for c in parts:
             self.applied[c.learner] = max(c.key, self.applied.get(c.learner, c.key))
-            self.recent_norms.append(c.norm_per_step)
+        self.norm_sizes.record([t.norm_per_step for t in kept])
+        self.weight_sizes.record(weights)
         return RoundResult(
             self.version,
-            len(kept),
-            self._new_tokens(kept),
+            len(parts),
+            self._new_tokens(parts),
             refs,
-            sorted({c.learner for c in kept}),
-            [self._key(c) for c in kept],
-            spans=[(c.learner, c.step - c.c_steps, c.step) for c in kept],
-            clipped=[self._key(c) for c in clipped],
-            refused=[self._key(c) for c in refused],
-            weights_clipped=sum(w < c.weight for w, c in zip(weights, kept, strict=True)),
+            [t.learner for t in kept],
+            [self._key(c) for c in parts],
+            spans=[(c.learner, c.step - c.c_steps, c.step) for c in parts],
+            clipped=[self._key(c) for t in clipped for c in t.parts],
+            refused=refused_keys,
+            weights_clipped=sum(w < t.weight for w, t in zip(weights, kept, strict=True)),
         )
 
     @staticmethod
     def _key(c: _Contribution) -> tuple[str, int, int]:
         return (c.learner, *c.key)
 
-    def _quarantine(
-        self, contributions: list[_Contribution]
-    ) -> tuple[list[_Contribution], list[_Contribution], list[_Contribution]]:
-        """(kept, clipped among the kept, refused). A clipped delta is scaled in
-        place to the bar, and its norm per step becomes the bar."""
-        p = self.params
-        bar = quarantine_bar(
-            self.recent_norms,
-            [c.norm_per_step for c in contributions],
-            p.quarantine_window,
-            p.quarantine_factor,
-        )
+    def _quarantine(self, terms: list[_Term]) -> tuple[list[_Term], list[_Term], list[_Term]]:
+        """(kept, clipped among the kept, refused). A term above the bar has each
+        of its deltas scaled by bar / its norm per step (its direction is kept),
+        or is refused whole."""
+        bar = self.norm_sizes.limit([t.norm_per_step for t in terms])
         if bar is None:
-            return contributions, [], []
-        outliers = [c for c in contributions if c.norm_per_step > bar]
-        if p.quarantine_action == "refuse":
-            return [c for c in contributions if c.norm_per_step <= bar], [], outliers
-        for c in outliers:
-            factor = bar / c.norm_per_step
-            if isinstance(c.delta, PackedDelta):
-                scaled: torch.Tensor | PackedDelta = c.delta.scaled(factor)
-            else:
-                scaled = c.delta * factor  # not in place: it may be the caller's
-            self._release(c.delta)
-            c.delta, c.norm_per_step, c.magnitude = scaled, bar, c.magnitude * factor
-        return contributions, outliers, []
+            return terms, [], []
+        outliers = [t for t in terms if t.norm_per_step > bar]
+        if self.params.quarantine_action == "refuse":
+            return [t for t in terms if t.norm_per_step <= bar], [], outliers
+        for t in outliers:
+            factor = bar / t.norm_per_step
+            for c in t.parts:
+                if isinstance(c.delta, PackedDelta):
+                    scaled: torch.Tensor | PackedDelta = c.delta.scaled(factor)
+                else:
+                    scaled = c.delta * factor  # not in place: it may be the caller's
+                self._release(c.delta)
+                c.delta, c.norm_per_step = scaled, c.norm_per_step * factor
+                c.magnitude *= factor
+        return terms, outliers, []
 
     def _shift(self, version: int) -> tuple[torch.Tensor | None, float]:
-        """``master - Theta(version)`` and its largest magnitude.
+        """``Theta(current) - Theta(version)`` and its largest magnitude, both
+        published versions, exactly as learners hold them.
 
         A learner's weights are ``Theta(base) - delta``, so its outer gradient
-        against the fp32 master is ``shift(base) + delta``: one shift per base
-        version serves every delta on it (:class:`StaleDelta` for a version
-        not kept). None when that version is the master itself (lossless
-        globals, the current version): the shift is +0.0 throughout.
+        against the current version is ``shift(base) + delta``: one shift per
+        base version serves every delta on it (:class:`StaleDelta` for a
+        version not kept). None for the current version itself: the shift is
+        +0.0 throughout. The fp32 master's lead over the current version (a
+        lossy global codec's rounding error, which goes out with the next
+        change) never enters a gradient.
         """
         if version not in self._shifts:
             base = self.history.get(version)
-            if base is self.master:
+            reference = self.master if _REBASE_ON_MASTER else self.weights
+            if base is reference:
                 self._shifts[version] = (None, 0.0)
             else:
-                shift = self.master - base
+                shift = reference - base
                 self._shifts[version] = (shift, max_abs(shift))
         return self._shifts[version]
 
     def _shift_magnitude(self, version: int) -> float:
-        """The largest magnitude of ``master - Theta(version)``, or, for the
-        compiled close, which makes no shift tensor, a bound on it: the sum of
-        both largest magnitudes (StaleDelta for a version not kept)."""
+        """The largest magnitude of ``Theta(current) - Theta(version)``, or, for
+        the compiled close, which makes no shift tensor, a bound on it: the sum
+        of both largest magnitudes (StaleDelta for a version not kept)."""
         if not self._compiled:
             return self._shift(version)[1]
         base = self.history.get(version)
-        if base is self.master:
+        if _REBASE_ON_MASTER:
+            return (
+                0.0
+                if base is self.master
+                else self._master_bound() + self._version_magnitude(version)
+            )
+        if version == self.version:
             return 0.0
-        return self._master_bound() + self._version_magnitude(version)
+        return self._version_magnitude(self.version) + self._version_magnitude(version)
 
     def _master_bound(self) -> float:
         if self._master_magnitude is None:
@@ -662,27 +715,26 @@ class FragmentState:
         return self._magnitudes[version]
 
     def _compiled_step(
-        self, kept: list[_Contribution], weights: list[float], share: float | None
+        self, kept: list[_Contribution], fractions: list[float], share: float | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Publication] | None:
         """:meth:`_step` for int2 globals merged by the mean, in one compiled pass
         (:func:`syncer.kernels.close_int2`); None if the step overflowed."""
         p = self.params
-        fractions = normalised_weights(weights, len(kept))
         packed: list[PackedDelta] = []
         factors: list[float] = []
-        rebase = 0.0  # the weight of the deltas on the current version
         dense: dict[int, tuple[torch.Tensor, float]] = {}  # other deltas, older bases' shifts
+        rebase = 0.0  # MEASUREMENT ONLY: the weight of the deltas rebased on the master
         for c, fraction in zip(kept, fractions, strict=True):
             if isinstance(c.delta, PackedDelta):
                 packed.append(c.delta)
                 factors.append(fraction * c.delta.factor)
             else:
                 dense[id(c.delta)] = (c.delta, fraction)
-            if c.base_version == self.version:
+            if _REBASE_ON_MASTER and c.base_version == self.version:
                 rebase += fraction
-            else:
+            elif c.base_version != self.version:
                 shift = self._shift(c.base_version)[0]
-                assert shift is not None  # only the current version can be the master
+                assert shift is not None  # only the current version has none
                 _, total = dense.get(id(shift), (shift, 0.0))
                 dense[id(shift)] = (shift, total + fraction)
         merged_dense = torch.zeros(self.numel if dense else 0, dtype=torch.float32)
@@ -761,20 +813,25 @@ class FragmentState:
         return spare
 
     def _step(
-        self, kept: list[_Contribution], weights: list[float], share: float | None
+        self,
+        terms: list[_Term],
+        weights: list[float],
+        kept: list[_Contribution],
+        fractions: list[float],
+        share: float | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Publication] | None:
         """The merged update (times ``share``, if any) and the outer step on it:
         new (master, momentum, version, publication); None if the step overflowed.
 
-        The mean merges and steps chunk by chunk, so the merged update is never
+        ``kept`` are the terms' deltas and ``fractions`` their shares of the
+        merged update. The mean merges and steps chunk by chunk, so the merged update is never
         a whole fragment in memory and each chunk is still in the cache when
         it is stepped (every operation is elementwise: the result is the same
         bit for bit). The robust aggregators need all deltas at once.
         """
         p = self.params
         shifts = [self._shift(c.base_version)[0] for c in kept]
-        merged = None if p.aggregation == "mean" else self._merge(kept, shifts, weights)
-        fractions = normalised_weights(weights, len(kept))
+        merged = None if p.aggregation == "mean" else self._merge(terms, weights)
         master = torch.empty(self.numel, dtype=torch.float32)
         momentum = self._spare_momentum
         if momentum is None:
@@ -804,16 +861,14 @@ class FragmentState:
         for c in contributions:
             self._release(c.delta)
 
-    def _merge(
-        self, kept: list[_Contribution], shifts: list[torch.Tensor | None], weights: list[float]
-    ) -> torch.Tensor:
-        """The robust aggregators' merged update, over whole fragments."""
+    def _merge(self, terms: list[_Term], weights: list[float]) -> torch.Tensor:
+        """The robust aggregators' merged update, over whole fragments: one
+        outer gradient per term."""
+        grads = []
+        for t in terms:
+            shifts = [self._shift(c.base_version)[0] for c in t.parts]
+            grads.append(accumulate_rebased([c.tensor for c in t.parts], shifts, t.part_shares()))
         aggregation = self.params.aggregation
-        deltas = [c.tensor for c in kept]
-        grads = [
-            delta + 0.0 if shift is None else shift + delta  # + 0.0: as a zero shift adds
-            for shift, delta in zip(shifts, deltas, strict=True)
-        ]
         if aggregation == "radial":
             return radial_directional_mean(grads, weights)
         if aggregation == "trimmed_mean":
@@ -868,7 +923,8 @@ class FragmentState:
             "applied": {k: list(v) for k, v in self.applied.items()},
             "merged_step": self.merged_step,
             "published_at": {str(v): t for v, t in self.published_at.items()},
-            "recent_norms": list(self.recent_norms),
+            "recent_norms": list(self.norm_sizes.values),
+            "recent_weights": list(self.weight_sizes.values),
         }
         return tensors, meta
 
@@ -912,6 +968,8 @@ class FragmentState:
         # ago (0.0): the step bound may then be loose for it, never wrong.
         published_at = {int(v): float(t) for v, t in meta.get("published_at", {}).items()}
         self.published_at = {v: published_at.get(v, 0.0) for v in versions}
-        self.recent_norms.clear()
-        self.recent_norms.extend(float(x) for x in meta.get("recent_norms", []))
+        self.norm_sizes.values.clear()
+        self.norm_sizes.values.extend(float(x) for x in meta.get("recent_norms", []))
+        self.weight_sizes.values.clear()
+        self.weight_sizes.values.extend(float(x) for x in meta.get("recent_weights", []))
         self.publication = self._viewed(self.version, _as_weights(self.weights))

@@ -2,7 +2,7 @@
 
 A delta carries figures the syncer cannot observe: the steps and tokens it
 covers, the learner's incarnation, the version it started from. None is
-taken on trust (DESIGN.md section 6). Each is bounded here by what is
+taken on trust (docs/design.md, "Admission and merge rules"). Each is bounded here by what is
 physically possible, a merged contribution's weight and size are clipped
 against its peers', and nothing here does I/O or reads a clock: the caller
 passes the time in.
@@ -12,15 +12,17 @@ The three defences, and the figure each one stops:
 * :func:`check_report`: a forged ``c_steps`` (which would make a huge delta
   look small per step), ``c_tokens`` (which would buy weight) or incarnation
   (which would make the real learner's later deltas look like replays).
-* :func:`clip_weights`: one learner carrying a round on its own weight.
-* :func:`quarantine_bar`: one delta far larger than what its fragment usually
-  receives.
+* :class:`TypicalSize`, twice per fragment: the weight cap (one learner
+  carrying a round on its own weight) and the quarantine bar (one delta far
+  larger per inner step than what its fragment usually receives).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from broker.wire import Delta
@@ -104,35 +106,49 @@ def check_report(
     return None
 
 
-def clip_weights(weights: Sequence[float], factor: float) -> list[float]:
-    """Cap each weight at ``factor`` times the round's lower median weight.
+class TypicalSize:
+    """The typical size of one figure of a fragment's merged contributions (a
+    norm per inner step, a token-step weight), and the limit ``factor`` times it.
 
-    Token-step weighting favours learners that did more, which is right while
-    the figures are honest; the cap bounds what a forged figure can buy: with
-    n contributions, none gets more than factor / (factor + n - 1) of the
-    round, whatever it reports. The *lower* median, so that in a round of two
-    the bar is set by the smaller weight, not by the mean with a forged one.
-    Weights within the cap are unchanged.
+    The rules, one each:
+
+    * **Median**: the typical size is the *lower* median of the sample, so that
+      in a sample of two the smaller value sets it: one forged large value can
+      never raise the limit it is judged by.
+    * **Sample**: the last ``window`` values that entered. Until ``window``
+      have entered (warm-up) the round's own values join the sample, so the
+      first round already has a limit that a minority cannot move.
+    * **What enters**: a merged contribution's value, after any clipping (so a
+      refused or clipped one can never raise the limit), and only when it is
+      above 0 and at least ``1 / factor`` of the typical size before the round:
+      zero or tiny decoys, however many, can neither pull the limit down nor
+      make it disappear. Once a value has entered there is always a limit.
     """
-    cap = factor * statistics.median_low(weights)
-    return [min(w, cap) for w in weights]
 
+    def __init__(self, window: int, factor: float, values: Iterable[float] = ()) -> None:
+        if window < 1 or not factor > 1:
+            raise ValueError(f"need window >= 1 and factor > 1, got {window} and {factor}")
+        self.window = window
+        self.factor = factor
+        self.values: deque[float] = deque(values, maxlen=window)
 
-def quarantine_bar(
-    recent: Sequence[float], this_round: Sequence[float], window: int, factor: float
-) -> float | None:
-    """The largest norm per step a delta of this round may have, or None (no bar).
+    def _floor(self) -> float:
+        """The smallest value that may enter: 1 / factor of the typical size."""
+        return statistics.median_low(self.values) / self.factor if self.values else 0.0
 
-    ``recent``: the norms per step of the fragment's last merged deltas (at
-    most ``window``; only merged ones, so refused deltas can never move the
-    bar); ``this_round``: those of the round being closed. The bar is
-    ``factor`` times the lower median of the last ``window`` merged norms. Until
-    that many exist (warm-up), the round's own deltas join the sample, so even
-    the first round has a bar that a minority of outliers cannot move. A
-    median of 0 gives no scale to compare with: no bar.
-    """
-    samples = list(recent) if len(recent) >= window else [*recent, *this_round]
-    if not samples:
-        return None
-    reference = statistics.median_low(samples)
-    return factor * reference if reference > 0 else None
+    def _enters(self, value: float, floor: float) -> bool:
+        return value > 0 and value >= floor and math.isfinite(value)
+
+    def limit(self, this_round: Sequence[float]) -> float | None:
+        """``factor`` times the typical size, with ``this_round``'s values in the
+        sample during warm-up; None while no value above 0 was ever seen."""
+        sample = list(self.values)
+        if len(sample) < self.window:
+            floor = self._floor()
+            sample += [v for v in this_round if self._enters(v, floor)]
+        return self.factor * statistics.median_low(sample) if sample else None
+
+    def record(self, merged: Sequence[float]) -> None:
+        """A closed round's merged values (one per learner), as they were merged."""
+        floor = self._floor()
+        self.values.extend(v for v in merged if self._enters(v, floor))

@@ -515,7 +515,7 @@ def test_outlier_is_clipped_to_the_bar_by_default() -> None:
     expected = W0 - (5 * unit(2.0) + clipped) / 6
     np.testing.assert_allclose(np64(state.weights), expected, rtol=0, atol=1e-6)
     # What the window remembers is what was merged: 1 per step, and 10 for bad.
-    assert sorted(state.recent_norms) == pytest.approx([1.0] * 5 + [10.0])
+    assert sorted(state.norm_sizes.values) == pytest.approx([1.0] * 5 + [10.0])
 
 
 def test_outlier_is_refused_with_the_refuse_option() -> None:
@@ -528,7 +528,7 @@ def test_outlier_is_refused_with_the_refuse_option() -> None:
     assert result.refused == [("bad", 0, 0)] and result.clipped == []
     assert "bad" in result.refs  # refused on close, acked with the round
     assert "bad" not in state.applied  # a refusal is not a key used up
-    assert sorted(state.recent_norms) == pytest.approx([1.0] * 5)
+    assert sorted(state.norm_sizes.values) == pytest.approx([1.0] * 5)
 
 
 def test_a_round_whose_every_delta_is_refused_publishes_nothing() -> None:
@@ -541,12 +541,12 @@ def test_a_round_whose_every_delta_is_refused_publishes_nothing() -> None:
     for seq in (0, 1):
         honest_round(state, seq, learners=1)
         state.close(T1)
-    before = (state.version, state.weights.clone(), list(state.recent_norms))
+    before = (state.version, state.weights.clone(), list(state.norm_sizes.values))
     assert offer(state, delta("l0", 2, state.version, c_steps=1), unit(50.0), "big") == ACCEPTED
     result = state.close(T1)
     assert not result.published and result.included == 0
     assert result.refused == [("l0", 0, 2)] and result.refs == ["big"]
-    assert (state.version, list(state.recent_norms)) == (before[0], before[2])
+    assert (state.version, list(state.norm_sizes.values)) == (before[0], before[2])
     assert torch.equal(state.weights, before[1])
     assert state.pending_learners == []
 
@@ -585,7 +585,7 @@ def test_the_bar_is_the_last_w_merged_deltas_once_there_are_w() -> None:
     state.close(T1)
     honest_round(state, 1, scale=30.0)
     assert len(state.close(T1).clipped) == 5
-    assert list(state.recent_norms) == pytest.approx([10.0] * 5)
+    assert list(state.norm_sizes.values) == pytest.approx([10.0] * 5)
     honest_round(state, 2, scale=30.0)
     assert state.close(T1).clipped == []  # the bar is 100 now
 
@@ -717,7 +717,7 @@ def assert_same_state(a: FragmentState, b: FragmentState) -> None:
     assert a.snapshot.payload == b.snapshot.payload
     assert a.applied == b.applied
     assert a.published_at == b.published_at
-    assert list(a.recent_norms) == list(b.recent_norms)
+    assert list(a.norm_sizes.values) == list(b.norm_sizes.values)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
@@ -825,8 +825,9 @@ def test_deltas_on_different_bases_are_both_merged() -> None:
 
 
 def test_lossy_downlink_keeps_the_outer_optimizer_in_fp32() -> None:
-    """With int8 globals, the master follows the fp32 Nesterov trajectory on the
-    learners' exact weights (base as decoded, minus the delta), and what is
+    """With int8 globals, the master follows the fp32 Nesterov trajectory of the
+    outer gradients taken against the published version (the learners' exact
+    weights, base as decoded minus the delta), and what is
     published is the previous version plus the int8 image of the change."""
     rng = np.random.default_rng(1)
     w0 = rng.normal(0, 0.02, N)
@@ -843,7 +844,7 @@ def test_lossy_downlink_keeps_the_outer_optimizer_in_fp32() -> None:
         d = rng.normal(0, 1e-3, N)
         assert offer(state, delta("a", k, state.version, step=k, c_steps=1), d) == ACCEPTED
         state.close(T1)
-        g = master - (base - d)
+        g = base - (base - d)  # against the current version, as learners hold it
         buf = g if buf is None else mu * buf + g
         master = master - lr * (g + mu * buf)
         np.testing.assert_allclose(np64(state.master), master, atol=1e-6)

@@ -214,7 +214,7 @@ def walk_the_bar_up(action: str, rounds: int = 8) -> list[float]:
         assert send(state, "x", seq, -size * H * direction(0)) == ACCEPTED
         result = close(state)
         assert result.learners[:5] == [f"h{i}" for i in range(5)]
-        recent = list(state.recent_norms)[-result.included :]
+        recent = list(state.norm_sizes.values)[-result.included :]
         norms = dict(zip((k[0] for k in result.keys), recent, strict=True))
         merged.append(norms.get("x", 0.0))
         size *= 9.5

@@ -1,7 +1,9 @@
 """syncer.trust by hand: the step, token and incarnation bounds, the credited
-step time, the weight clip and the quarantine bar."""
+step time, and the typical size behind the weight cap and the quarantine bar."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -9,11 +11,10 @@ from broker.wire import Delta
 from syncer.trust import (
     STEP_MARGIN,
     ReportLimits,
+    TypicalSize,
     check_report,
-    clip_weights,
     credited_step_s,
     max_steps,
-    quarantine_bar,
 )
 
 LIMITS = ReportLimits(step_floor=24, max_tokens_per_step=2048, max_clock_skew_s=60.0)
@@ -90,41 +91,82 @@ def test_credited_step_s(own: float | None, roster: list[float], expected: float
     assert credited_step_s(own, roster) == (None if expected is None else pytest.approx(expected))
 
 
-@pytest.mark.parametrize(
-    ("weights", "factor", "expected"),
-    [
-        ([2500.0, 5000.0, 1800.0], 3.0, [2500.0, 5000.0, 1800.0]),  # within the clip
-        ([1.0, 1.0, 2.0**124], 3.0, [1.0, 1.0, 3.0]),
-        ([1.0, 2.0**124], 3.0, [1.0, 3.0]),  # two: the lower median sets the bar
-        ([5.0], 3.0, [5.0]),
-        ([1.0, 2.0, 3.0, 100.0], 3.0, [1.0, 2.0, 3.0, 6.0]),  # lower median 2
-        ([1.0, 4.0, 4.0], 1.0, [1.0, 4.0, 4.0]),  # median 4: nothing above it
-    ],
-)
-def test_clip_weights(weights: list[float], factor: float, expected: list[float]) -> None:
-    assert clip_weights(weights, factor) == expected
-
-
-def test_clipped_share_is_at_most_factor_over_factor_plus_n_minus_one() -> None:
-    for n in range(2, 9):
-        weights = clip_weights([1.0] * (n - 1) + [2.0**124], 3.0)
-        assert weights[-1] / sum(weights) == pytest.approx(3.0 / (3.0 + n - 1))
+def reference_limit(
+    entered: list[float], this_round: list[float], window: int, factor: float
+) -> float | None:
+    """The limit as docs/design.md states it, written independently of the code:
+    factor x the lower median of the last ``window`` values that entered, with
+    the round's own values in the sample while fewer than ``window`` entered;
+    a round value joins only if above 0 and at least the window's lower median
+    / factor."""
+    last = entered[-window:]
+    sample = list(last)
+    if len(last) < window:
+        floor = sorted(last)[(len(last) - 1) // 2] / factor if last else 0.0
+        sample += [v for v in this_round if v > 0 and v >= floor]
+    if not sample:
+        return None
+    return factor * sorted(sample)[(len(sample) - 1) // 2]
 
 
 @pytest.mark.parametrize(
-    ("recent", "this_round", "window", "expected"),
+    ("entered", "this_round", "window", "expected"),
     [
-        ([], [1.0, 1.0, 1000.0], 4, 10.0),  # warm-up: the round's own median
+        ([], [1.0, 1.0, 1000.0], 4, 10.0),  # warm-up: the round's own lower median
         ([2.0], [1.0, 1000.0], 4, 20.0),  # warm-up: lower median of 1, 2, 1000
-        ([1.0, 1.0, 1.0, 1.0], [50.0, 50.0, 50.0], 4, 10.0),  # W merged: only they
+        ([1.0, 1.0, 1.0, 1.0], [50.0, 50.0, 50.0], 4, 10.0),  # W entered: only they
         ([1.0, 3.0, 3.0, 3.0], [50.0], 4, 30.0),
         ([1.0, 3.0], [], 4, 10.0),  # lower median of an even count
-        ([], [0.0, 0.0, 5.0], 4, None),  # a median of 0: no scale, no bar
+        ([], [1.0, 2.0**124], 4, 10.0),  # two: the smaller sets it
+        ([], [0.0, 0.0, 5.0], 4, 50.0),  # zeros carry no scale: never in the sample
+        ([4.0], [0.1, 0.1, 0.1], 4, 40.0),  # decoys below 1/factor of it do not join
         ([], [], 4, None),
     ],
 )
-def test_quarantine_bar(
-    recent: list[float], this_round: list[float], window: int, expected: float | None
+def test_typical_size_limit(
+    entered: list[float], this_round: list[float], window: int, expected: float | None
 ) -> None:
-    bar = quarantine_bar(recent, this_round, window, 10.0)
-    assert bar == (None if expected is None else pytest.approx(expected))
+    sizes = TypicalSize(window, 10.0, entered)
+    limit = sizes.limit(this_round)
+    assert limit == (None if expected is None else pytest.approx(expected))
+    assert limit == reference_limit(entered, this_round, window, 10.0)
+
+
+def test_typical_size_matches_the_written_rule_on_random_rounds() -> None:
+    """Rounds of random sizes, decoys (zeros and tiny values) among them: the
+    class and the written rule agree on every limit, and what enters is what
+    the rule lets in."""
+    rng = random.Random(7)
+    sizes = TypicalSize(16, 3.0)
+    entered: list[float] = []
+    for _ in range(200):
+        this_round = [rng.lognormvariate(0, 0.5) for _ in range(rng.randint(1, 6))]
+        this_round += [rng.choice([0.0, 1e-6, 1e-3]) for _ in range(rng.randint(0, 3))]
+        assert sizes.limit(this_round) == reference_limit(entered, this_round, 16, 3.0)
+        floor = sorted(entered[-16:])[(len(entered[-16:]) - 1) // 2] / 3.0 if entered else 0.0
+        entered += [v for v in this_round if v > 0 and v >= floor]
+        sizes.record(this_round)
+        assert list(sizes.values) == entered[-16:]
+
+
+def test_decoys_can_neither_lower_nor_remove_the_limit() -> None:
+    """Zero or tiny values, however many and for however long, leave the limit
+    where honest values put it; the limit never disappears once one was set."""
+    sizes = TypicalSize(16, 10.0, [1.0] * 16)
+    for _ in range(100):
+        sizes.record([0.0, 1e-9, 1e-3, 0.05])
+        assert sizes.limit([0.0, 1e-9]) == pytest.approx(10.0)
+    # Warm-up with one honest value: decoys of the round still cannot join.
+    warm = TypicalSize(16, 10.0, [2.0])
+    assert warm.limit([0.0, 0.0, 0.0, 0.01]) == pytest.approx(20.0)
+
+
+def test_a_capped_share_is_at_most_factor_over_factor_plus_n_minus_one() -> None:
+    """The weight cap's bound: with n terms of which n - 1 are alike, one forged
+    weight gets at most factor / (factor + n - 1) of the round."""
+    for n in range(2, 9):
+        weights = [1.0] * (n - 1) + [2.0**124]
+        cap = TypicalSize(16, 3.0).limit(weights)
+        assert cap is not None
+        capped = [min(w, cap) for w in weights]
+        assert capped[-1] / sum(capped) == pytest.approx(3.0 / (3.0 + n - 1))

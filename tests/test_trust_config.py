@@ -27,6 +27,7 @@ def test_defaults() -> None:
         ("trim_per_side", 0),
         ("trim_per_side", 1.5),
         ("weight_clip", 0.5),
+        ("weight_clip", 1.0),
         ("weight_clip", NAN),
         ("weight_clip", "3"),
         ("quarantine_factor", 1.0),
