@@ -88,4 +88,4 @@ def test_flags() -> None:
         aggregation="trimmed_mean",
         trim_per_side=2,
     )
-    assert "median weight" in parser.format_help()  # the field comment is the help
+    assert "typical weight" in parser.format_help()  # the field comment is the help
