@@ -2,7 +2,7 @@
 
     python -m benchmarks.simulate [--smoke | --quick] [--out benchmarks/results/simulate] [--seed 0]
 
-Reproduces the paper's Table 1 (DESIGN.md section 7) with one parameter set:
+Reproduces the paper's Table 1 (its goodput under failures) with one parameter set:
 chips fail as a Poisson process (per-chip mean time between interruptions,
 MTBI), and every synchronous group (a data-parallel job, or one learner)
 reacts to a failure in explicit phases:
@@ -105,7 +105,7 @@ class Parameters:
 
 # name -> (unit, where the value comes from)
 SOURCES: dict[str, tuple[str, str]] = {
-    "mtbi_s": ("s", "paper (DESIGN.md section 7): per-chip mean time between interruptions 1 year"),
+    "mtbi_s": ("s", "paper (Table 1): per-chip mean time between interruptions 1 year"),
     "detect_s": (
         "s",
         "assumption: a 10 s collective/heartbeat timeout notices a dead chip; Table 1 only sees"
@@ -423,8 +423,8 @@ def _parameters_json(p: Parameters, fitted: bool) -> list[dict[str, Any]]:
 def constant_loss_fit(systems: Sequence[str], base: Parameters) -> tuple[float, float]:
     """Best single loss per failure d for goodput 1/(1 + d N/MTBI): (d, max error in points).
 
-    The DESIGN.md fit, as a baseline: what a model with no recovery window and no
-    replica loss can do at best on these rows.
+    A constant loss per failure, as a baseline: what a model with no recovery window
+    and no replica loss can do at best on these rows.
     """
     best = (math.inf, 0.0)
     for d in _grid(0, 120, 0.25):

@@ -1,4 +1,4 @@
-"""Redis Streams backend of the transport (DESIGN.md section 3): what both sides share.
+"""Redis Streams backend of the transport (docs/transports.md): what both sides share.
 
 The learner side is :mod:`broker.redis_learner`, the syncer side
 :mod:`broker.redis_syncer`; this module holds the keys, the frame checks, the

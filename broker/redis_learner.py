@@ -1,4 +1,4 @@
-"""Learner side of the Redis Streams transport (DESIGN.md section 3).
+"""Learner side of the Redis Streams transport (docs/transports.md).
 
 Keys, the delivery contract and the connection handling both sides share are in
 :mod:`broker.redis_common`. A learner XADDs its deltas to the delta stream of

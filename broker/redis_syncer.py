@@ -1,4 +1,4 @@
-"""Syncer side of the Redis Streams transport (DESIGN.md section 3).
+"""Syncer side of the Redis Streams transport (docs/transports.md).
 
 Keys, the delivery contract and the connection handling both sides share are in
 :mod:`broker.redis_common`. A syncer is one consumer of the group ``syncers`` on

@@ -14,6 +14,8 @@ import statistics
 from collections import deque
 from collections.abc import Collection
 
+from syncer.trust import credited_step_s
+
 # Pace samples a member's fastest pace is taken over (about one per step or per
 # read of the heartbeats). Long enough to span a busy spell of a shared
 # machine: a learner that sped up again (a neighbour's job ended) by more than
@@ -190,6 +192,7 @@ class Roster:
         # wait for the dead), but count as silent only from now on.
         self.created_at = now
         self.last_heard: dict[str, float] = {}
+        self.last_delta: dict[str, float] = {}  # when each member's last delta was accepted
         self.step_s: dict[str, Ema] = {}
         # The fastest of each member's last PACE_WINDOW pace samples: a stall (a
         # first step that waited to join, a collection, a busy core) must not
@@ -235,11 +238,13 @@ class Roster:
                 raise ValueError(f"roster full ({self.cap}): {learner} cannot join")
             self.members.discard(evicted)
             self.last_heard.pop(evicted, None)
+            self.last_delta.pop(evicted, None)
             self.step_s.pop(evicted, None)
             self.pace_s.pop(evicted, None)
             self._pace_from.pop(evicted, None)
         self.members.add(learner)
         self.last_heard[learner] = now
+        self.last_delta[learner] = now
         return evicted
 
     def heard(
@@ -283,6 +288,23 @@ class Roster:
         """Members heard from (heartbeat or accepted delta) within the heartbeat timeout."""
         timeout = self.heartbeat_timeout_s
         return {name for name, t in self.last_heard.items() if now - t <= timeout}
+
+    def waited_for(self, now: float, sync_every: int) -> set[str]:
+        """The live members a round waits for: those whose deltas still arrive,
+        the last one accepted within 2 x ``sync_every`` (H) x the member's
+        credited step time (:func:`syncer.trust.credited_step_s`; a member
+        sends a delta of every fragment each H steps). Heartbeats alone keep a
+        member on the roster, not in the wait: a learner that stopped sending,
+        or anyone heartbeating under its id, cannot hold rounds open. Without
+        a pace yet, live is enough."""
+        paces = self.pace_times()
+        waited = set()
+        for name in self.live(now):
+            step_s = credited_step_s(paces.get(name), list(paces.values()))
+            since = now - self.last_delta.get(name, -math.inf)
+            if step_s is None or since <= 2 * sync_every * step_s:
+                waited.add(name)
+        return waited
 
     def step_times(self) -> dict[str, float]:
         """Each member's reported step time, where one is known."""

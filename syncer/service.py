@@ -87,7 +87,7 @@ class _Metrics:
         )
         self.version = Gauge("ddiloco_syncer_fragment_version", "Version", ["fragment"], registry=r)
         self.live = Gauge(
-            "ddiloco_syncer_live_learners", "Learners with recent heartbeats", registry=r
+            "ddiloco_syncer_live_learners", "Learners rounds wait for (deltas arriving)", registry=r
         )
         self.quorum_s = Gauge(
             "ddiloco_syncer_quorum_seconds", "Time to quorum", ["fragment"], registry=r
@@ -247,7 +247,8 @@ class Syncer:
         self.events.write(kind, **fields)
 
     def live_learners(self, now: float) -> set[str]:
-        return self.roster.live(now)
+        """The learners rounds wait for (:meth:`Roster.waited_for`)."""
+        return self.roster.waited_for(now, self.plan.sync_every)
 
     # -- the loop --------------------------------------------------------
     def run(self, max_seconds: float | None = None) -> None:

@@ -1,7 +1,7 @@
 """FragmentState, the syncer's per-fragment logic, against numpy and hand numbers.
 
-Every expected value below is computed here from the formulas of DESIGN.md
-section 2 (rebasing, token-step weights, weighted or radial mean, Nesterov),
+Every expected value below is computed here from the formulas of
+docs/design.md (rebasing, token-step weights, weighted or radial mean, Nesterov),
 in float64 numpy, never by calling the code under test.
 """
 

@@ -317,3 +317,33 @@ def test_a_busy_spell_does_not_make_a_learner_look_slow() -> None:
     for i in range(11, 111):
         roster.heard("a", now=0.1 + 0.05 * (i - 10), step_time_s=0.05, step=i)
     assert roster.pace_times()["a"] == pytest.approx(0.01)
+
+
+def test_heartbeats_alone_do_not_hold_rounds_open() -> None:
+    """Attack: a learner stops sending deltas (it died, or it is a forger using
+    its id) while heartbeats under its id go on. Rounds waited for it as live:
+    2 rounds instead of 6 in a live run. Now a member is waited for only while
+    its deltas arrive, its last within 2 H x its credited step time; the
+    heartbeats keep it on the roster."""
+    h, step_s = 12, 0.5
+    roster = Roster(2, TIMEOUT, 0.0)
+    r = Round(quorum=2, gamma=0.5, tau_steps=2)
+    for name in ("a", "b"):
+        roster.join(name, 0.0)
+    for i in range(1, 21):  # both report their pace: 0.5 s a step
+        for name in ("a", "b"):
+            roster.heard(name, now=i * step_s, step_time_s=step_s, step=i)
+    assert roster.waited_for(i * step_s, h) == {"a", "b"}
+    # From here on only a's deltas arrive; b's heartbeats go on.
+    now = 2 * h * step_s + 0.1
+    for name in ("a", "b"):
+        roster.heard(name, now=now, step_time_s=step_s, step=100)
+    roster.join("a", now)
+    assert roster.live(now) == {"a", "b"}  # still on the roster, heard
+    assert roster.waited_for(now, h) == {"a"}
+    r.add("a", now)
+    waited = roster.waited_for(now, h)
+    assert r.should_close(now, waited, roster.median_step_s(), len(roster))
+    # Its deltas arrive again: waited for again.
+    roster.join("b", now + 1.0)
+    assert roster.waited_for(now + 1.0, h) == {"a", "b"}

@@ -239,10 +239,13 @@ def test_fake_heartbeats_neither_hold_a_round_open_nor_make_a_quorum(tmp_path: P
         syncer.handle([delta_on(syncer, "a", 1, 0.1), delta_on(syncer, "b", 1, 0.1)])
         assert syncer.rounds == 0 and syncer.states[0].pending_learners == ["a", "b"]
         clock.t = 107.0
-        syncer.handle([heartbeat("a"), heartbeat("b")])
+        # 1 s steps: a and b are waited for while their deltas are 2 H = 4 s old.
+        syncer.handle([heartbeat("a", 1.0), heartbeat("b", 1.0)])
         assert syncer.rounds == 0  # two of K = 3: no quorum
         clock.t = 108.0  # the fakes are back, and c reports
-        syncer.handle([*fakes, heartbeat("a"), heartbeat("b"), delta_on(syncer, "c", 1, 0.1)])
+        syncer.handle(
+            [*fakes, heartbeat("a", 1.0), heartbeat("b", 1.0), delta_on(syncer, "c", 1, 0.1)]
+        )
         assert syncer.rounds == 1 and syncer.states[0].version == 1  # at once
         assert syncer.heartbeats_ignored == 20
         summary = syncer.summary()
@@ -263,12 +266,14 @@ def test_a_cluster_started_below_its_quorum_still_merges_and_says_why(tmp_path: 
     wait_s = GONE_AFTER_HEARTBEATS * syncer.cfg.run.heartbeat_timeout_s
     try:
         syncer.handle([delta_on(syncer, "a", 1, 0.1), delta_on(syncer, "b", 1, 0.1)])
+        # Slow steps (5 s, the most a heartbeat is credited with): a and b are
+        # waited for while their deltas are 2 H x 5 = 20 s old.
         for t in range(101, int(100.0 + wait_s)):  # both alive and heard
             clock.t = t
-            syncer.handle([heartbeat("a"), heartbeat("b")])
+            syncer.handle([heartbeat("a", 5.0), heartbeat("b", 5.0)])
         assert syncer.rounds == 0 and syncer.quorum() == 3
         clock.t = 100.0 + wait_s
-        syncer.handle([heartbeat("a"), heartbeat("b")])
+        syncer.handle([heartbeat("a", 5.0), heartbeat("b", 5.0)])
         assert syncer.rounds == 1 and syncer.states[0].version == 1
         assert syncer.quorum() == 2
         syncer.handle([delta_on(syncer, "a", 2, 0.1)])

@@ -236,3 +236,104 @@ def test_deltas_at_9_5x_the_median_round_after_round_do_not_drive_the_model() ->
     # Refusing: x is merged once (9.5x is within the bar), then never again.
     refused = walk_the_bar_up("refuse")
     assert refused[0] == pytest.approx(9.5) and refused[1:] == [0.0] * 7
+
+
+def test_decoys_cannot_remove_or_lower_the_quarantine_bar() -> None:
+    """Attack: a learner sends zero or tiny deltas round after round, from the
+    run's first round, so that the median norm of the window is 0; the bar was
+    then dropped ("a median of 0 gives no scale"), and one delta 1000x the
+    honest size was merged whole: final loss 647,094 in a live run. Now a norm
+    of 0, or below 1/Q of the typical one, never enters the window, and a
+    decoy of 1/5 the honest size that does enter is a minority below the
+    median: the bar stays 10x the honest norm, and the big delta is clipped."""
+    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), params(), published_s=T0)
+    for seq in range(1, 25):
+        honest(state, seq, learners=2)
+        decoy = (0.0, 1e-9, 0.2 * H)[seq % 3]  # 0.2 per step: a fifth of the honest norm
+        assert send(state, "x", seq, decoy * direction(1)) == ACCEPTED
+        result = close(state)
+        assert result.clipped == []  # the honest deltas were never clipped
+        assert state.norm_sizes.limit([]) == pytest.approx(10.0)
+    before = state.weights.double().numpy().copy()
+    honest(state, 1000, learners=2)
+    assert send(state, "x", 1000, 1000 * H * H * direction(0)) == ACCEPTED
+    assert close(state).clipped == [("x", 1, 1000)]
+    # Equal weights, x's delta at most 10 per step over H steps: the model moved
+    # at most (2 H + 10 H) / 3.
+    assert np.linalg.norm(state.weights.double().numpy() - before) <= 4 * H + 1e-3
+
+
+def test_low_weight_decoys_cannot_lower_the_weight_cap() -> None:
+    """Attack: a learner's deltas claim 1 step and 1 token (weight 1, against the
+    honest H x 2048^2), so that the cap, 3x the lower median weight of the
+    round, fell to 3, the honest weights were cut to it, and x's zero deltas
+    took a quarter of every round. Now the cap is 3x the typical weight of
+    the last merged terms, which a weight below a third of it never enters:
+    from the first round on, no honest weight is capped."""
+    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), params(), published_s=T0)
+    honest_weight = H * HONEST_TOKENS_PER_STEP**2
+    for seq in range(1, 25):
+        honest(state, seq, learners=2)
+        assert send(state, "x", seq, np.zeros(N), c_steps=1, c_tokens=1) == ACCEPTED
+        assert close(state).weights_clipped == 0
+        assert state.weight_sizes.limit([]) == pytest.approx(3 * honest_weight)
+
+
+def test_at_m_2_a_hostile_learner_is_half_of_every_sample() -> None:
+    """The limit of peer comparison, stated in docs/design.md: with two learners
+    one hostile from the first round, no median tells them apart. The lower
+    median keeps what matters most: its huge deltas are still clipped (it can
+    slow the model with decoys, not break it)."""
+    state = FragmentState(
+        0, torch.tensor(W0, dtype=torch.float32), params(quorum=2), published_s=T0
+    )
+    for seq in range(1, 9):
+        honest(state, seq, learners=1)
+        assert send(state, "x", seq, 1000 * H * H * direction(seq)) == ACCEPTED
+        assert close(state).clipped == [("x", 1, seq)]
+
+
+def test_a_learners_deltas_on_two_bases_are_one_term() -> None:
+    """A learner that sent on version v, then on v + 1, in one round, enters it
+    once: its term is the token-step weighted mean of both rebased deltas, its
+    weight that of their summed steps and tokens, and the quarantine window
+    gains one norm for it, not two (it would otherwise have twice the say of a
+    learner that sent once)."""
+    state = FragmentState(
+        0, torch.tensor(W0, dtype=torch.float32), params(quorum=1), published_s=T0
+    )
+    honest(state, 1, learners=1)
+    close(state)  # version 1: x's first delta below is one version behind
+    state.history.get(0)
+    d0 = H * direction(3)
+    d1 = 0.5 * H * direction(4)
+    v0, v1 = state.history.get(0).double().numpy(), state.weights.double().numpy()
+    x0 = Delta(
+        learner_id="x", incarnation=1, seq=1, base_version=0, step=H, c_steps=H,
+        c_tokens=H * 2048, numel=N,
+    )  # fmt: skip
+    at = state.published_at[1] + 1.0
+    t0 = torch.tensor(d0, dtype=torch.float32)
+    assert state.offer(x0, t0, None, 0.0, wall_s=at, step_s=0.5) == ACCEPTED
+    x1 = Delta(
+        learner_id="x", incarnation=1, seq=2, base_version=1, step=H + 4, c_steps=4,
+        c_tokens=4 * 1024, numel=N,
+    )  # fmt: skip
+    t1 = torch.tensor(d1, dtype=torch.float32)
+    assert state.offer(x1, t1, None, 0.0, wall_s=at, step_s=0.5) == ACCEPTED
+    honest(state, 2, learners=1)
+    windows_before = len(state.norm_sizes.values)
+    result = close(state)
+    assert result.included == 3 and result.learners == ["h0", "x"]
+    assert len(state.norm_sizes.values) == windows_before + 2  # one per learner
+    # The reference, from the written rule: x's gradient is the weighted mean of
+    # (v1 - v0) + d0 and d1, weights H 2048^2 and 4 1024^2; its term weighs
+    # (H 2048 + 4 1024)^2 / (H + 4), h0's H 2048^2; lr 1, no momentum.
+    w0, w1 = H * 2048.0**2, 4 * 1024.0**2
+    g_x = (w0 * ((v1 - v0) + d0) + w1 * d1) / (w0 + w1)
+    vector = H * (direction(0) + 0.1 * direction(100))
+    g_h = vector * H / np.linalg.norm(vector)
+    weight_x = (H * 2048 + 4 * 1024) ** 2 / (H + 4)
+    weight_h = H * 2048.0**2
+    expected = v1 - (weight_x * g_x + weight_h * g_h) / (weight_x + weight_h)
+    np.testing.assert_allclose(state.weights.double().numpy(), expected, rtol=0, atol=1e-5)
