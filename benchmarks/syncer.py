@@ -32,8 +32,8 @@ import torch
 from broker.codecs import Codec
 from broker.settings import RunSettings
 from broker.wire import Delta
-from syncer.fragment_state import AggregationParams, FragmentState
-from syncer.trust import ReportLimits
+from syncer.config import OuterConfig
+from syncer.fragment_state import FragmentState
 
 LEARNERS = 4  # M deltas per round, all on the current version
 C_STEPS, C_TOKENS = 12, 12 * 4096  # what a delta reports (one H of steps)
@@ -47,22 +47,10 @@ MODES: dict[str, tuple[tuple[int, ...], int]] = {
 DELTA_CODECS = tuple(dict.fromkeys((RunSettings().delta_codec.name, "int8", "int4")))
 
 
-def _params(global_codec: Codec) -> AggregationParams:
-    return AggregationParams(
-        quorum=LEARNERS,
-        grace_gamma=0.5,
-        overlap=2,
-        staleness=4,
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        aggregation="mean",
-        codec=global_codec,
-        limits=ReportLimits(step_floor=64, max_tokens_per_step=1 << 20, max_clock_skew_s=60.0),
-        weight_clip=3.0,
-        quarantine_factor=10.0,
-        quarantine_window=16,
-        quarantine_action="clip",
-    )
+def _settings(global_codec: Codec) -> tuple[OuterConfig, RunSettings]:
+    """The syncer's defaults, with LEARNERS learners and ``global_codec``."""
+    run = RunSettings(learners=LEARNERS, quorum=LEARNERS, global_codec=global_codec)
+    return OuterConfig(max_tokens_per_step=1 << 20), run
 
 
 def _timed(fn: Any) -> float:
@@ -119,12 +107,12 @@ def measure(mib: int, delta_codec: Codec, global_codec: Codec, repeats: int) -> 
     numel = mib * 2**20 // 4
     gen = torch.Generator().manual_seed(0)
     weights = torch.randn(numel, generator=gen)
-    params = _params(global_codec)
-    state = FragmentState(0, weights, params, published_s=0.0)
+    outer, run = _settings(global_codec)
+    state = FragmentState(0, weights, outer, run, published_s=0.0)
     payloads = [
         delta_codec.encode(1e-3 * torch.randn(numel, generator=gen)) for _ in range(LEARNERS)
     ]
-    warm_up = params.staleness + 1
+    warm_up = outer.staleness + 1
     for i in range(warm_up):
         one_round(state, payloads, delta_codec, i)
     # The copies are timed between the rounds, so that both see the machine as

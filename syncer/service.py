@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client import Counter as PromCounter
 
 from broker.connect import connect_syncer
+from broker.errors import ConfigError
 from broker.files import EventLog
 from broker.initial_model import read_initial_model
 from broker.runtime import freeze_startup_heap
@@ -48,13 +49,12 @@ from syncer.fragment_state import (
     DUPLICATE,
     HELD,
     QUARANTINED,
-    AggregationParams,
     FragmentState,
     Publication,
     RoundOverflow,
 )
 from syncer.quorum import Roster
-from syncer.trust import ReportLimits, credited_step_s
+from syncer.trust import credited_step_s
 
 log = logging.getLogger(__name__)
 
@@ -141,29 +141,6 @@ class Syncer:
         self.checkpoint_dir = Path(cfg.checkpoint_dir)
         self._lock = _lock_folder(self.checkpoint_dir)
         self._check_manifest()
-        params = AggregationParams(
-            quorum=run.effective_quorum,
-            grace_gamma=outer.grace_gamma,
-            overlap=run.overlap,
-            staleness=outer.staleness,
-            outer_lr=outer.outer_lr,
-            outer_momentum=outer.outer_momentum,
-            aggregation=outer.aggregation,
-            codec=run.global_codec,
-            limits=ReportLimits(
-                # Twice the steps between two sends of a fragment: a learner's
-                # first delta, before its pace is known, covers at most one.
-                step_floor=2 * run.sync_every,
-                max_tokens_per_step=outer.max_tokens_per_step,
-                max_clock_skew_s=outer.max_clock_skew_s,
-            ),
-            weight_clip=outer.weight_clip,
-            quarantine_factor=outer.quarantine_factor,
-            quarantine_window=outer.quarantine_window,
-            quarantine_action=outer.quarantine_action,
-            trim_per_side=outer.trim_per_side,
-            absent_wait_s=GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s,
-        )
         self.states: dict[int, FragmentState] = {}
         resumed, fresh = [], []
         started_s = self.wall_clock()
@@ -172,7 +149,7 @@ class Syncer:
         fresh_epoch = time.time_ns()
         for p in self.owned:
             state = FragmentState(
-                p, initial.fragment(p), params, published_s=started_s, epoch=fresh_epoch
+                p, initial.fragment(p), outer, run, published_s=started_s, epoch=fresh_epoch
             )
             saved = load_fragment(self.checkpoint_dir, p)
             if saved is not None:
@@ -278,7 +255,7 @@ class Syncer:
             self.transport.close()
             self._lock.close()
             found = ", ".join(f"{p}@v{v}" for p, (_, v) in sorted(existing.items()))
-            raise RuntimeError(
+            raise ConfigError(
                 f"run {self.cfg.run.run_id!r} already has globals ({found}) but "
                 f"{self.checkpoint_dir} has no checkpoint of them: point --checkpoint-dir "
                 "at the run's checkpoint, or pass --new-epoch to start over from the "

@@ -15,20 +15,22 @@ import pytest
 import torch
 
 from broker.codecs import Codec, apply_change
+from broker.settings import RunSettings
 from broker.wire import Delta, weights_checksum
 from syncer.aggregation import rebased_weighted_mean
 from syncer.checkpoint import load_fragment, save_fragment
+from syncer.config import OuterConfig
 from syncer.fragment_state import (
-    _CHUNK_VALUES,
     ACCEPTED,
     DUPLICATE,
     HELD,
-    AggregationParams,
     FragmentState,
     canonical,
 )
+from syncer.merge import _CHUNK_VALUES
 from syncer.outer import nesterov_step
 from syncer.trust import ReportLimits
+from tests.syncer_settings import syncer_settings
 
 torch.set_num_threads(1)
 
@@ -63,7 +65,7 @@ ROUND1: dict[str, dict[str, Any]] = {
 }
 
 
-def params(**over: Any) -> AggregationParams:
+def params(**over: Any) -> tuple[OuterConfig, RunSettings]:
     values: dict[str, Any] = dict(
         quorum=3,
         grace_gamma=0.5,
@@ -80,8 +82,7 @@ def params(**over: Any) -> AggregationParams:
         quarantine_action="clip",
     )
     values.update(over)
-    values["codec"] = Codec.parse(values["codec"])
-    return AggregationParams(**values)
+    return syncer_settings(**values)
 
 
 def delta(
@@ -153,11 +154,11 @@ def test_a_round_of_fewer_than_m_deltas_takes_their_share_of_a_step() -> None:
     (the same merged mean). M = 0 (the default) or a full round: a full step."""
     w0 = np.asarray(W0, dtype=np.float64)
     new, buf = expected_round1(w0)
-    full = FragmentState(0, f32(W0), params(), published_s=T0)
+    full = FragmentState(0, f32(W0), *params(), published_s=T0)
     offer_round1(full)
     full.close(T1, learners=3)
     np.testing.assert_allclose(np64(full.weights), new, rtol=0, atol=2e-6)
-    share = FragmentState(0, f32(W0), params(), published_s=T0)
+    share = FragmentState(0, f32(W0), *params(), published_s=T0)
     offer_round1(share)
     share.close(T1, learners=4)
     np.testing.assert_allclose(np64(share.weights), w0 - 0.75 * (w0 - new), rtol=0, atol=2e-6)
@@ -166,7 +167,7 @@ def test_a_round_of_fewer_than_m_deltas_takes_their_share_of_a_step() -> None:
 
 
 def test_round_of_three_matches_numpy_fp32() -> None:
-    state = FragmentState(0, f32(W0), params(), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(), published_s=T0)
     assert state.version == 0
     offer_round1(state)
     assert state.pending_learners == ["a", "b", "c"]
@@ -195,7 +196,7 @@ def test_round_of_three_matches_numpy_fp32() -> None:
 
 def test_round_of_three_int8_publishes_the_quantised_change() -> None:
     codec = Codec.parse("int8")
-    state = FragmentState(0, f32(W0), params(codec="int8"), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(codec="int8"), published_s=T0)
     # The first version goes out as its fp32 weights: nothing to take a change from.
     assert torch.equal(state.weights, f32(W0))
     assert not state.publication.is_change
@@ -226,7 +227,7 @@ def test_quantised_changes_follow_the_master_without_drift() -> None:
     (master - version), so after many rounds the published version is within one
     step of the last change's quantisation of the master, not a sum of errors."""
     codec = Codec.parse("int4")
-    state = FragmentState(0, f32(W0), params(codec="int4", quorum=1), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(codec="int4", quorum=1), published_s=T0)
     gen = np.random.default_rng(0)
     held = f32(W0)  # what a learner that took every change holds
     for k in range(1, 41):
@@ -246,7 +247,7 @@ def test_sparse_changes_rebuild_bit_for_bit_and_leave_nothing_behind() -> None:
     the syncer's version bit for bit, and the version never falls behind the
     master by more than a few rounds' moves, however many rounds go by."""
     codec = Codec("int8", "none", 8, 0.25)
-    state = FragmentState(0, f32(W0), params(codec=codec.name, quorum=1), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(codec=codec.name, quorum=1), published_s=T0)
     gen = np.random.default_rng(0)
     held = f32(W0)
     for k in range(1, 201):
@@ -269,7 +270,7 @@ def test_a_fragment_past_a_chunk_merges_and_steps_as_whole_tensors_would() -> No
     gen = torch.Generator().manual_seed(0)
     w0 = torch.randn(n, generator=gen)
     w0[::5] = -0.0
-    state = FragmentState(0, w0, params(quorum=3, staleness=3), published_s=T0)
+    state = FragmentState(0, w0, *params(quorum=3, staleness=3), published_s=T0)
     master, momentum, history = w0.clone(), None, [w0.clone()]
     for r in range(3):
         wall_s = T1 + 10.0 * r
@@ -307,7 +308,7 @@ def test_decoded_deltas_reuse_the_fragments_buffers() -> None:
             codec=codec, payload=payload,
         )
 
-    state = FragmentState(0, f32(W0), params(quorum=1), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(quorum=1), published_s=T0)
     first = state.decode(sent(1, 0))
     assert torch.equal(first, codec.decode(payload, N))
     assert offer(state, sent(1, 0), first) == ACCEPTED
@@ -339,7 +340,7 @@ def test_canonical_returns_what_the_codec_decodes() -> None:
 def test_second_round_rebases_a_learner_one_version_behind() -> None:
     # Round 2's weights (500 and 1600) are 3.2x apart: a clip above that keeps
     # them exact (test_weight_clip_* cover the clip).
-    state = FragmentState(0, f32(W0), params(weight_clip=4.0), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(weight_clip=4.0), published_s=T0)
     offer_round1(state)
     state.close(T1)
     v0 = W0
@@ -372,7 +373,7 @@ def test_second_round_rebases_a_learner_one_version_behind() -> None:
 
 
 def test_staleness_one_keeps_only_the_current_version() -> None:
-    state = FragmentState(0, f32(W0), params(staleness=1), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(staleness=1), published_s=T0)
     offer_round1(state)
     state.close(T1)
     assert offer(state, delta("a", 2, 0), ROUND1["a"]["delta"]) == "stale"
@@ -381,7 +382,7 @@ def test_staleness_one_keeps_only_the_current_version() -> None:
 
 
 def test_first_version_may_be_nonzero() -> None:
-    state = FragmentState(0, f32(W0), params(), version=7, published_s=T0)
+    state = FragmentState(0, f32(W0), *params(), version=7, published_s=T0)
     assert state.version == 7
     assert offer(state, delta("a", 0, 6), ROUND1["a"]["delta"]) == "stale"
     assert offer(state, delta("a", 0, 7), ROUND1["a"]["delta"]) == ACCEPTED
@@ -389,13 +390,13 @@ def test_first_version_may_be_nonzero() -> None:
 
 
 # -- duplicates, resends, superseding ------------------------------------------
-def plain_average() -> AggregationParams:
+def plain_average() -> tuple[OuterConfig, RunSettings]:
     """lr 1, momentum 0: the new global is the (weighted) mean of learners' weights."""
     return params(outer_lr=1.0, outer_momentum=0.0)
 
 
 def test_replay_of_an_applied_delta_is_a_duplicate() -> None:
-    state = FragmentState(0, f32(W0), params(), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(), published_s=T0)
     offer_round1(state)
     state.close(T1)
     before = state.weights.clone()
@@ -409,7 +410,7 @@ def test_replay_of_an_applied_delta_is_a_duplicate() -> None:
 
 
 def test_resend_of_a_pending_delta_is_held_and_acked_on_close() -> None:
-    state = FragmentState(0, f32(W0), plain_average(), published_s=T0)
+    state = FragmentState(0, f32(W0), *plain_average(), published_s=T0)
     d = np.full(N, 0.25)
     assert offer(state, delta("a", 3, 0), d, "first") == ACCEPTED
     assert offer(state, delta("a", 3, 0), d, "resend") == HELD
@@ -424,7 +425,7 @@ def test_resend_of_a_pending_delta_is_held_and_acked_on_close() -> None:
 
 
 def test_newer_delta_of_the_same_learner_supersedes_the_older() -> None:
-    state = FragmentState(0, f32(W0), plain_average(), published_s=T0)
+    state = FragmentState(0, f32(W0), *plain_average(), published_s=T0)
     old = np.full(N, 1.0)
     new = np.linspace(-0.5, 0.5, N)
     assert offer(state, delta("a", 3, 0, c_tokens=10, c_steps=1), old, "a3") == ACCEPTED
@@ -441,7 +442,7 @@ def test_newer_delta_of_the_same_learner_supersedes_the_older() -> None:
 
 
 def test_new_incarnation_is_accepted_after_the_old_one_was_applied() -> None:
-    state = FragmentState(0, f32(W0), plain_average(), published_s=T0)
+    state = FragmentState(0, f32(W0), *plain_average(), published_s=T0)
     d = np.full(N, 0.5)
     assert offer(state, delta("a", 9, 0), d) == ACCEPTED
     state.close(T1)
@@ -471,7 +472,7 @@ def test_new_incarnation_is_accepted_after_the_old_one_was_applied() -> None:
 def test_bad_deltas_are_refused_with_their_reason(
     tensor: torch.Tensor, c_tokens: int, c_steps: int, reason: str
 ) -> None:
-    state = FragmentState(0, f32(W0), params(), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(), published_s=T0)
     assert offer(state, delta("a", 0, 0, c_tokens=c_tokens, c_steps=c_steps), tensor) == reason
     assert state.pending_learners == []
     # A refusal is not a key the learner has used up.
@@ -479,7 +480,7 @@ def test_bad_deltas_are_refused_with_their_reason(
 
 
 def test_close_with_nothing_pending_raises() -> None:
-    state = FragmentState(0, f32(W0), params(), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(), published_s=T0)
     with pytest.raises(RuntimeError, match="no deltas"):
         state.close(T1)
 
@@ -500,7 +501,7 @@ def honest_round(state: FragmentState, seq: int, learners: int = 5, scale: float
 def test_outlier_is_clipped_to_the_bar_by_default() -> None:
     """Five deltas of norm 1 per step set the bar at 10 (warm-up: the round's own
     median); a delta of 100 per step is scaled down to 10 per step and merged."""
-    state = FragmentState(0, f32(W0), plain_average(), published_s=T0)
+    state = FragmentState(0, f32(W0), *plain_average(), published_s=T0)
     for i in range(5):
         assert offer(state, delta(f"l{i}", 0, 0, c_steps=2), unit(2.0), f"l{i}") == ACCEPTED
     bad = np.linspace(1.0, 2.0, N)
@@ -515,11 +516,11 @@ def test_outlier_is_clipped_to_the_bar_by_default() -> None:
     expected = W0 - (5 * unit(2.0) + clipped) / 6
     np.testing.assert_allclose(np64(state.weights), expected, rtol=0, atol=1e-6)
     # What the window remembers is what was merged: 1 per step, and 10 for bad.
-    assert sorted(state.norm_sizes.values) == pytest.approx([1.0] * 5 + [10.0])
+    assert sorted(state.admission.norm_sizes.values) == pytest.approx([1.0] * 5 + [10.0])
 
 
 def test_outlier_is_refused_with_the_refuse_option() -> None:
-    state = FragmentState(0, f32(W0), params(quarantine_action="refuse"), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(quarantine_action="refuse"), published_s=T0)
     for i in range(5):
         assert offer(state, delta(f"l{i}", 0, 0, c_steps=2), unit(2.0), f"l{i}") == ACCEPTED
     assert offer(state, delta("bad", 0, 0, c_steps=2), unit(200.0), "bad") == ACCEPTED
@@ -528,25 +529,25 @@ def test_outlier_is_refused_with_the_refuse_option() -> None:
     assert result.refused == [("bad", 0, 0)] and result.clipped == []
     assert "bad" in result.refs  # refused on close, acked with the round
     assert "bad" not in state.applied  # a refusal is not a key used up
-    assert sorted(state.norm_sizes.values) == pytest.approx([1.0] * 5)
+    assert sorted(state.admission.norm_sizes.values) == pytest.approx([1.0] * 5)
 
 
 def test_a_round_whose_every_delta_is_refused_publishes_nothing() -> None:
     state = FragmentState(
         0,
         f32(W0),
-        params(quorum=1, quarantine_action="refuse", quarantine_window=2),
+        *params(quorum=1, quarantine_action="refuse", quarantine_window=2),
         published_s=T0,
     )
     for seq in (0, 1):
         honest_round(state, seq, learners=1)
         state.close(T1)
-    before = (state.version, state.weights.clone(), list(state.norm_sizes.values))
+    before = (state.version, state.weights.clone(), list(state.admission.norm_sizes.values))
     assert offer(state, delta("l0", 2, state.version, c_steps=1), unit(50.0), "big") == ACCEPTED
     result = state.close(T1)
     assert not result.published and result.included == 0
     assert result.refused == [("l0", 0, 2)] and result.refs == ["big"]
-    assert (state.version, list(state.norm_sizes.values)) == (before[0], before[2])
+    assert (state.version, list(state.admission.norm_sizes.values)) == (before[0], before[2])
     assert torch.equal(state.weights, before[1])
     assert state.pending_learners == []
 
@@ -554,19 +555,19 @@ def test_a_round_whose_every_delta_is_refused_publishes_nothing() -> None:
 def test_warm_up_bar_comes_from_the_round_itself() -> None:
     """Before W deltas were merged, the round's own deltas join the sample, so the
     very first round already has a bar a minority cannot move."""
-    state = FragmentState(0, f32(W0), params(), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(), published_s=T0)
     for i in range(3):
         assert offer(state, delta(f"l{i}", 0, 0, c_steps=1), unit(1.0)) == ACCEPTED
     assert offer(state, delta("bad", 0, 0, c_steps=1), unit(1000.0)) == ACCEPTED
     assert state.close(T1).clipped == [("bad", 0, 0)]
     # Alone, a delta is its own reference: nothing to compare with yet.
-    alone = FragmentState(0, f32(W0), params(quorum=1), published_s=T0)
+    alone = FragmentState(0, f32(W0), *params(quorum=1), published_s=T0)
     assert offer(alone, delta("a", 0, 0, c_steps=1), unit(1000.0)) == ACCEPTED
     assert alone.close(T1).clipped == []
 
 
 def test_quarantine_measures_norm_per_step() -> None:
-    state = FragmentState(0, f32(W0), params(quarantine_window=5), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(quarantine_window=5), published_s=T0)
     honest_round(state, 0)
     state.close(T1)
     # 40x the norm, but over 40 steps: 1.0 per step, an ordinary delta.
@@ -580,18 +581,18 @@ def test_the_bar_is_the_last_w_merged_deltas_once_there_are_w() -> None:
     """With W merged deltas of 1 per step, a round of five at 30 (everyone grew at
     once, a rare jump) is clipped to 10; those clipped deltas enter the window at
     10, so the bar follows a real change within a window (no deadlock)."""
-    state = FragmentState(0, f32(W0), params(quarantine_window=5), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(quarantine_window=5), published_s=T0)
     honest_round(state, 0)
     state.close(T1)
     honest_round(state, 1, scale=30.0)
     assert len(state.close(T1).clipped) == 5
-    assert list(state.norm_sizes.values) == pytest.approx([10.0] * 5)
+    assert list(state.admission.norm_sizes.values) == pytest.approx([10.0] * 5)
     honest_round(state, 2, scale=30.0)
     assert state.close(T1).clipped == []  # the bar is 100 now
 
 
 def test_a_median_of_zero_sets_no_bar() -> None:
-    state = FragmentState(0, f32(W0), params(quorum=1, quarantine_window=2), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(quorum=1, quarantine_window=2), published_s=T0)
     for seq in (0, 1):
         assert offer(state, delta("a", seq, state.version), np.zeros(N)) == ACCEPTED
         state.close(T1)
@@ -602,7 +603,7 @@ def test_a_median_of_zero_sets_no_bar() -> None:
 def test_a_single_bad_learner_stays_quarantined() -> None:
     """One bad learner among six supplies too few samples to move the median."""
     refuse = params(quorum=5, quarantine_action="refuse")
-    state = FragmentState(0, f32(W0), refuse, published_s=T0)
+    state = FragmentState(0, f32(W0), *refuse, published_s=T0)
     for seq in range(15):  # 90 offers: the 16-delta window turns over
         version = state.version
         for i in range(5):
@@ -633,14 +634,14 @@ def test_a_single_bad_learner_stays_quarantined() -> None:
 def test_reported_figures_are_bounded(
     c_steps: int, c_tokens: int, incarnation: int, step_s: float | None, reason: str
 ) -> None:
-    state = FragmentState(0, f32(W0), params(), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(), published_s=T0)
     d = delta("a", 0, 0, c_tokens=c_tokens, c_steps=c_steps, incarnation=incarnation)
     assert offer(state, d, np.zeros(N), wall_s=T0 + 10, step_s=step_s) == reason
 
 
 def test_the_step_bound_runs_from_each_versions_publication() -> None:
     """A delta on an older version may cover more steps than one on the newest."""
-    state = FragmentState(0, f32(W0), params(quorum=1), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(quorum=1), published_s=T0)
     assert offer(state, delta("a", 0, 0), np.zeros(N)) == ACCEPTED
     state.close(T0 + 100)  # version 1, published at T0 + 100
     arrive = T0 + 110
@@ -655,7 +656,7 @@ def test_the_step_bound_runs_from_each_versions_publication() -> None:
 
 # -- radial aggregation --------------------------------------------------------
 def test_radial_aggregation_matches_numpy() -> None:
-    state = FragmentState(0, f32(W0), params(aggregation="radial"), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(aggregation="radial"), published_s=T0)
     offer_round1(state)
     state.close(T1)
     total = sum(r["w"] for r in ROUND1.values())
@@ -676,7 +677,7 @@ def test_radial_aggregation_matches_numpy() -> None:
 
 # -- round timing --------------------------------------------------------------
 def test_should_close_follows_quorum_and_round_done_resets() -> None:
-    state = FragmentState(0, f32(W0), params(quorum=2), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(quorum=2), published_s=T0)
     live = {"a", "b", "c"}
     offer(state, delta("a", 0, 0), np.zeros(N), now=10.0)
     assert not state.should_close(11.0, live, step_s=1.0)
@@ -697,7 +698,7 @@ def test_should_close_follows_quorum_and_round_done_resets() -> None:
 
 # -- checkpoint state ----------------------------------------------------------
 def two_rounds(codec: str) -> FragmentState:
-    state = FragmentState(0, f32(W0), params(codec=codec), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(codec=codec), published_s=T0)
     offer_round1(state)
     state.close(T1)
     assert offer(state, delta("a", 2, 0, incarnation=1), np.full(N, 0.1)) == ACCEPTED
@@ -708,7 +709,7 @@ def two_rounds(codec: str) -> FragmentState:
 
 def assert_same_state(a: FragmentState, b: FragmentState) -> None:
     assert a.version == b.version
-    ha, hb = a.history.items(), b.history.items()
+    ha, hb = a.versions.history.items(), b.versions.history.items()
     assert [v for v, _ in ha] == [v for v, _ in hb]
     for (_, wa), (_, wb) in zip(ha, hb, strict=True):
         assert torch.equal(wa, wb)
@@ -717,7 +718,7 @@ def assert_same_state(a: FragmentState, b: FragmentState) -> None:
     assert a.snapshot.payload == b.snapshot.payload
     assert a.applied == b.applied
     assert a.published_at == b.published_at
-    assert list(a.norm_sizes.values) == list(b.norm_sizes.values)
+    assert list(a.admission.norm_sizes.values) == list(b.admission.norm_sizes.values)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
@@ -725,7 +726,7 @@ def test_state_load_round_trip(codec: str) -> None:
     state = two_rounds(codec)
     tensors, meta = state.state()
     assert meta["version"] == 2
-    fresh = FragmentState(0, torch.zeros(N), params(codec=codec), published_s=T0)
+    fresh = FragmentState(0, torch.zeros(N), *params(codec=codec), published_s=T0)
     fresh.load(tensors, meta)
     assert_same_state(state, fresh)
     assert fresh.applied == {"a": (1, 2), "b": (0, 2), "c": (0, 1)}
@@ -742,22 +743,22 @@ def test_state_survives_the_checkpoint_files(tmp_path: Path) -> None:
     save_fragment(tmp_path, 0, *state.state())
     loaded = load_fragment(tmp_path, 0)
     assert loaded is not None
-    fresh = FragmentState(0, torch.zeros(N), params(codec="int8"), published_s=T0)
+    fresh = FragmentState(0, torch.zeros(N), *params(codec="int8"), published_s=T0)
     fresh.load(*loaded)
     assert_same_state(state, fresh)
 
 
 def test_load_without_momentum() -> None:
-    state = FragmentState(0, f32(W0), params(), version=3, published_s=T0)
-    fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(), version=3, published_s=T0)
+    fresh = FragmentState(0, torch.zeros(N), *params(), published_s=T0)
     fresh.load(*state.state())
     assert fresh.version == 3 and fresh.momentum is None
     assert torch.equal(fresh.weights, f32(W0))
 
 
 def test_load_refuses_tensors_of_another_size() -> None:
-    other = FragmentState(0, torch.zeros(N - 2), params(), published_s=T0)
-    fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
+    other = FragmentState(0, torch.zeros(N - 2), *params(), published_s=T0)
+    fresh = FragmentState(0, torch.zeros(N), *params(), published_s=T0)
     with pytest.raises(ValueError, match="plan needs"):
         fresh.load(*other.state())
     assert fresh.version == 0 and torch.equal(fresh.weights, torch.zeros(N))
@@ -765,7 +766,7 @@ def test_load_refuses_tensors_of_another_size() -> None:
 
 def test_load_refuses_versions_that_do_not_end_at_the_recorded_one() -> None:
     tensors, meta = two_rounds("fp32").state()
-    fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
+    fresh = FragmentState(0, torch.zeros(N), *params(), published_s=T0)
     with pytest.raises(ValueError, match="do not end at"):
         fresh.load(tensors, {**meta, "version": 5})
     with pytest.raises(ValueError, match="do not end at"):
@@ -775,14 +776,14 @@ def test_load_refuses_versions_that_do_not_end_at_the_recorded_one() -> None:
 def test_load_refuses_momentum_of_another_size() -> None:
     tensors, meta = two_rounds("fp32").state()
     tensors["momentum"] = torch.zeros(N + 3)
-    fresh = FragmentState(0, torch.zeros(N), params(), published_s=T0)
+    fresh = FragmentState(0, torch.zeros(N), *params(), published_s=T0)
     with pytest.raises(ValueError):
         fresh.load(tensors, meta)
 
 
 def test_a_restart_under_another_codec_publishes_the_version_it_had_as_weights() -> None:
     state = two_rounds("fp32")
-    fresh = FragmentState(0, torch.zeros(N), params(codec="int8"), published_s=T0)
+    fresh = FragmentState(0, torch.zeros(N), *params(codec="int8"), published_s=T0)
     fresh.load(*state.state())
     assert fresh.version == state.version and torch.equal(fresh.weights, state.weights)
     assert not fresh.publication.is_change
@@ -799,7 +800,7 @@ def test_a_restart_under_another_codec_publishes_the_version_it_had_as_weights()
 def test_tokens_already_merged_are_not_counted_again() -> None:
     """A learner merged up to step 10 flushes progress covering steps (6, 13]:
     only steps 11-13 are new, at its 10 tokens per step."""
-    state = FragmentState(0, f32(W0), params(quorum=1), published_s=T0)
+    state = FragmentState(0, f32(W0), *params(quorum=1), published_s=T0)
     d = np.full(N, 0.01)
     assert offer(state, delta("a", 1, 0, c_tokens=40, c_steps=4, step=10), d) == ACCEPTED
     assert state.close(T1).tokens == 40
@@ -814,7 +815,7 @@ def test_deltas_on_different_bases_are_both_merged() -> None:
     """A learner's late delta on v0 and its next one on v1 carry different progress
     (it overwrote its weights in between): neither supersedes the other."""
     plain = params(quorum=1, outer_lr=1.0, outer_momentum=0.0)
-    state = FragmentState(0, f32(W0), plain, published_s=T0)
+    state = FragmentState(0, f32(W0), *plain, published_s=T0)
     d = np.full(N, 0.1)
     assert offer(state, delta("b", 1, 0), d) == ACCEPTED
     state.close(T1)  # v1, without a's delta
@@ -833,7 +834,7 @@ def test_lossy_downlink_keeps_the_outer_optimizer_in_fp32() -> None:
     w0 = rng.normal(0, 0.02, N)
     lr, mu = 0.7, 0.9
     state = FragmentState(
-        0, f32(w0), params(quorum=1, outer_lr=lr, outer_momentum=mu, codec="int8"), published_s=T0
+        0, f32(w0), *params(quorum=1, outer_lr=lr, outer_momentum=mu, codec="int8"), published_s=T0
     )
     master = np64(f32(w0))
     buf = None

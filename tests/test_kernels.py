@@ -20,18 +20,22 @@ import pytest
 import torch
 
 from broker.codecs import Codec, apply_change
+from broker.settings import RunSettings
 from broker.wire import Delta, weights_checksum
 from syncer import kernels
 from syncer.aggregation import l2_norm
+from syncer.buffers import DeltaBuffers
+from syncer.config import OuterConfig
 from syncer.fragment_state import (
     ACCEPTED,
-    AggregationParams,
     FragmentState,
     PackedDelta,
     RoundOverflow,
     RoundResult,
 )
+from syncer.merge import CompiledMerge, TorchMerge
 from syncer.trust import ReportLimits
+from tests.syncer_settings import syncer_settings
 
 torch.set_num_threads(1)
 
@@ -42,7 +46,7 @@ LIMITS = ReportLimits(step_floor=64, max_tokens_per_step=10_000, max_clock_skew_
 LENGTHS = [1, 7, 63, 64, 65, 4096, 2 * 4096 + 100 + 5]
 
 
-def params(**over: Any) -> AggregationParams:
+def params(**over: Any) -> tuple[OuterConfig, RunSettings]:
     values: dict[str, Any] = dict(
         quorum=3,
         grace_gamma=0.5,
@@ -59,7 +63,7 @@ def params(**over: Any) -> AggregationParams:
         quarantine_action="clip",
     )
     values.update(over)
-    return AggregationParams(**values)
+    return syncer_settings(**values)
 
 
 def sent(
@@ -83,10 +87,12 @@ def sent(
 
 def torch_twin(state: FragmentState) -> FragmentState:
     """A state with ``state``'s checkpoint (copied) whose rounds close in torch."""
-    twin = FragmentState(0, state.weights.clone(), state.params, published_s=T0)
+    twin = FragmentState(0, state.weights.clone(), state.outer, state.run, published_s=T0)
     tensors, meta = state.state()
     twin.load({k: v.clone() for k, v in tensors.items()}, meta)
-    twin._compiled, twin._packed = False, None  # the torch close, as for every other codec
+    # The torch close, as for every other codec.
+    twin.buffers = DeltaBuffers(twin.numel, twin.codec, packed=False)
+    twin.merge = TorchMerge(twin.outer, twin.codec, twin.versions)
     return twin
 
 
@@ -130,8 +136,8 @@ def test_compiled_rounds_publish_the_codecs_bytes_and_follow_the_torch_close(num
     gen = torch.Generator().manual_seed(numel)
     weights = torch.randn(numel, generator=gen)
     weights[::3] = -0.0  # a zero change on -0.0 is +0.0 for a learner: 0 x scale is +0.0
-    state = FragmentState(0, weights, params(), published_s=T0)
-    assert state._compiled
+    state = FragmentState(0, weights, *params(), published_s=T0)
+    assert isinstance(state.merge, CompiledMerge)
     for r in range(4):  # the first round starts the momentum, the later ones use it
         twin = torch_twin(state)
         deltas = [
@@ -139,7 +145,7 @@ def test_compiled_rounds_publish_the_codecs_bytes_and_follow_the_torch_close(num
             for name in "abc"
         ]
         offer_both([state, twin], deltas, T0 + 10.0 * (r + 1))
-        assert all(isinstance(c.delta, PackedDelta) for c in state._pending.values())
+        assert all(isinstance(c.delta, PackedDelta) for c in state.admission.pending.values())
         result = close_both(state, twin, T0 + 10.0 * (r + 1) + 1.0)
         assert result.included == 3 and state.version == r + 1
 
@@ -149,7 +155,7 @@ def test_compiled_round_with_other_codecs_older_bases_a_clip_and_a_share() -> No
     a delta clipped by the quarantine, and a round of fewer than the learners."""
     numel = 4096 + 333
     gen = torch.Generator().manual_seed(1)
-    state = FragmentState(0, torch.randn(numel, generator=gen), params(quorum=2), published_s=T0)
+    state = FragmentState(0, torch.randn(numel, generator=gen), *params(quorum=2), published_s=T0)
     # Two rounds, so that version 1 is behind and the norms have a history.
     for r in range(2):
         twin = torch_twin(state)
@@ -168,7 +174,7 @@ def test_compiled_round_with_other_codecs_older_bases_a_clip_and_a_share() -> No
         sent("e", 1, 2, 5.0 * torch.randn(numel, generator=gen)),  # 500x: clipped
     ]
     offer_both([state, twin], deltas, T0 + 40.0)
-    kinds = {c.learner: type(c.delta).__name__ for c in state._pending.values()}
+    kinds = {c.learner: type(c.delta).__name__ for c in state.admission.pending.values()}
     assert kinds == {"a": "PackedDelta", "b": "PackedDelta", "c": "Tensor", "d": "Tensor",
                      "e": "PackedDelta"}  # fmt: skip
     result = close_both(state, twin, T0 + 41.0, learners=8)  # 5 of 8: a share of the step
@@ -186,7 +192,7 @@ def test_a_packed_delta_has_the_norm_and_magnitude_of_its_values() -> None:
             raw[-1] |= 0xFF << (2 * (numel % 4)) & 0xFF  # code 1 in every unused field
         d = replace(d, payload=bytes(raw))
         decoded = d.tensor()
-        state = FragmentState(0, torch.zeros(numel), params(quorum=1), published_s=T0)
+        state = FragmentState(0, torch.zeros(numel), *params(quorum=1), published_s=T0)
         packed = state.decode(d)
         assert isinstance(packed, PackedDelta)
         assert math.isclose(packed.norm, float(decoded.double().norm()), rel_tol=1e-12)
@@ -196,7 +202,7 @@ def test_a_packed_delta_has_the_norm_and_magnitude_of_its_values() -> None:
 
 def test_a_packed_delta_with_a_scale_that_is_not_finite_is_refused() -> None:
     numel = 200
-    state = FragmentState(0, torch.zeros(numel), params(quorum=1), published_s=T0)
+    state = FragmentState(0, torch.zeros(numel), *params(quorum=1), published_s=T0)
     d = sent("a", 1, 0, torch.full((numel,), 0.01), Codec.parse("int2"))
     for bits in (0x7F80, 0xFF80, 0x7FC0):  # +inf, -inf and NaN as bf16
         raw = bytearray(d.payload)
@@ -209,7 +215,7 @@ def test_a_packed_delta_with_a_scale_that_is_not_finite_is_refused() -> None:
 
 def test_an_overflowing_compiled_step_publishes_nothing_and_keeps_the_state() -> None:
     numel = 100
-    state = FragmentState(0, torch.full((numel,), 3e38), params(quorum=1), published_s=T0)
+    state = FragmentState(0, torch.full((numel,), 3e38), *params(quorum=1), published_s=T0)
     before = state.master.clone(), state.weights.clone(), state.version
     # Finite, and below the admission bar, but the step (0.7 x 1.9 x 1e38 more) overflows.
     d = sent("a", 1, 0, torch.full((numel,), -1e38), Codec.parse("int2"))
@@ -233,7 +239,7 @@ def test_memory_is_written_over_only_when_nothing_holds_it() -> None:
     the other case: the state is kept)."""
     numel = 4096
     gen = torch.Generator().manual_seed(2)
-    state = FragmentState(0, torch.randn(numel, generator=gen), params(quorum=1), published_s=T0)
+    state = FragmentState(0, torch.randn(numel, generator=gen), *params(quorum=1), published_s=T0)
 
     def round_(r: int) -> None:
         d = sent("a", r, state.version, 1e-2 * torch.randn(numel, generator=gen))
@@ -302,21 +308,21 @@ def test_rows_of_packed_deltas_come_back_when_their_deltas_go() -> None:
     rounds after rounds need no new memory."""
     numel = 300
     gen = torch.Generator().manual_seed(4)
-    state = FragmentState(0, torch.randn(numel, generator=gen), params(quorum=3), published_s=T0)
-    assert state._packed is not None
+    state = FragmentState(0, torch.randn(numel, generator=gen), *params(quorum=3), published_s=T0)
+    assert state.buffers.rows is not None
     for r in range(1, 21):
         deltas = [
             sent(name, r, state.version, 1e-2 * torch.randn(numel, generator=gen)) for name in "abc"
         ]
         offer_both([state], deltas, T0 + r)
         state.close(T0 + r + 0.5)
-    assert len(state._packed.scales) == 4  # the first 4 rows: never more than 3 at once
+    assert len(state.buffers.rows.scales) == 4  # the first 4 rows: never more than 3 at once
     held = state.decode(sent("a", 21, state.version, torch.randn(numel, generator=gen)))
     assert isinstance(held, PackedDelta)
     taken = {held.row.index}
     for _ in range(8):  # decoded and dropped at once: rows come back, never the held one
         again = state.decode(sent("b", 21, state.version, torch.randn(numel, generator=gen)))
         assert isinstance(again, PackedDelta) and again.row.index not in taken
-    codes = state._packed.codes[held.row.index].copy()
+    codes = state.buffers.rows.codes[held.row.index].copy()
     del again
-    assert np.array_equal(state._packed.codes[held.row.index], codes)
+    assert np.array_equal(state.buffers.rows.codes[held.row.index], codes)

@@ -337,7 +337,7 @@ def test_heartbeats_alone_do_not_hold_rounds_open() -> None:
     # From here on only a's deltas arrive; b's heartbeats go on.
     now = 2 * h * step_s + 0.1
     for name in ("a", "b"):
-        roster.heard(name, now=now, step_time_s=step_s, step=100)
+        roster.heard(name, now=now, step_time_s=step_s, step=24)
     roster.join("a", now)
     assert roster.live(now) == {"a", "b"}  # still on the roster, heard
     assert roster.waited_for(now, h) == {"a"}

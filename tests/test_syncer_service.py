@@ -16,6 +16,7 @@ import torch
 from prometheus_client import generate_latest
 
 from broker.codecs import Codec, apply_change
+from broker.errors import ConfigError
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import Inbound
 from broker.wire import Delta, GlobalFragment, Heartbeat
@@ -384,7 +385,7 @@ def test_a_syncer_without_its_checkpoint_refuses_to_throw_a_run_away(
     first = make_syncer(tmp_path, 0, url=redis_server.url)
     epoch = first.states[0].epoch
     first.shutdown()
-    with pytest.raises(RuntimeError, match="already has globals"):
+    with pytest.raises(ConfigError, match="already has globals"):
         make_syncer(tmp_path, 0, url=redis_server.url, checkpoint_dir=str(tmp_path / "empty"))
     again = make_syncer(tmp_path, 0, url=redis_server.url)  # its own folder: same epoch
     assert again.states[0].epoch == epoch

@@ -10,8 +10,9 @@ import torch
 from broker.codecs import Codec
 from broker.wire import Delta
 from syncer.aggregation import coordinate_median, trimmed_mean
-from syncer.fragment_state import ACCEPTED, AggregationParams, FragmentState
+from syncer.fragment_state import ACCEPTED, FragmentState
 from syncer.trust import ReportLimits
+from tests.syncer_settings import syncer_settings
 
 torch.set_num_threads(1)
 
@@ -74,7 +75,7 @@ def test_a_round_merged_robustly_ignores_weights(aggregation: str) -> None:
     """Robust aggregators take each learner's outer gradient once, whatever its
     token-step weight: lr 1 and no momentum publish W0 minus the robust merge."""
     w0 = np.linspace(-1.0, 1.0, 6)
-    params = AggregationParams(
+    params = syncer_settings(
         quorum=3,
         grace_gamma=0.5,
         overlap=2,
@@ -90,7 +91,7 @@ def test_a_round_merged_robustly_ignores_weights(aggregation: str) -> None:
         quarantine_action="clip",
         trim_per_side=1,
     )
-    state = FragmentState(0, torch.tensor(w0, dtype=torch.float32), params, published_s=0.0)
+    state = FragmentState(0, torch.tensor(w0, dtype=torch.float32), *params, published_s=0.0)
     rows = np.array(
         [
             [0.1, 0.2, 0.3, -0.1, 0.0, 0.5],

@@ -16,10 +16,13 @@ import pytest
 import torch
 
 from broker.codecs import Codec
+from broker.settings import RunSettings
 from broker.wire import Delta
-from syncer.fragment_state import ACCEPTED, DUPLICATE, AggregationParams, FragmentState
+from syncer.config import OuterConfig
+from syncer.fragment_state import ACCEPTED, DUPLICATE, FragmentState
 from syncer.quorum import Roster
 from syncer.trust import ReportLimits, credited_step_s
+from tests.syncer_settings import syncer_settings
 
 torch.set_num_threads(1)
 
@@ -30,7 +33,7 @@ H = 12  # steps between two sends of a fragment
 HONEST_TOKENS_PER_STEP = 2048
 
 
-def params(**over: Any) -> AggregationParams:
+def params(**over: Any) -> tuple[OuterConfig, RunSettings]:
     values: dict[str, Any] = dict(
         quorum=3,
         grace_gamma=0.5,
@@ -47,7 +50,7 @@ def params(**over: Any) -> AggregationParams:
         quarantine_action="clip",
     )
     values.update(over)
-    return AggregationParams(**values)
+    return syncer_settings(**values)
 
 
 def direction(seed: int) -> np.ndarray:
@@ -100,7 +103,7 @@ def test_forged_step_count_cannot_hide_a_huge_delta() -> None:
     claimed tokens carried the round: the model moved ~1000x an honest round.
     Now: 10^6 steps cannot fit into the 6 s since its base version was
     published (at 0.5 s per step, with the margin, at most 24 + 24): refused."""
-    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), params(), published_s=T0)
+    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), *params(), published_s=T0)
     honest(state, 1)
     assert send(state, "x", 1, -1000 * H * direction(0), c_steps=10**6) == "too_many_steps"
     result = close(state)
@@ -119,7 +122,7 @@ def test_forged_step_time_cannot_buy_a_step_count() -> None:
     times = roster.step_times()
     credited = credited_step_s(times["x"], list(times.values()))
     assert credited == 0.25  # half the median of 0.5, 0.5, 0.5 and 1e-9
-    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), params(), published_s=T0)
+    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), *params(), published_s=T0)
     big = -1000 * H * direction(0)
     assert send(state, "x", 1, big, c_steps=10**6, step_s=credited) == "too_many_steps"
     # What that pace allows is accepted: 24 + 2 * 6 s / 0.25 s = 72 steps.
@@ -137,7 +140,7 @@ def test_a_learner_reporting_2_62_tokens_gets_at_most_the_clip_share() -> None:
     lifted = params(
         limits=ReportLimits(step_floor=2 * H, max_tokens_per_step=2**62, max_clock_skew_s=60.0)
     )
-    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), lifted, published_s=T0)
+    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), *lifted, published_s=T0)
     # Every delta 1 per step, so that the quarantine leaves them all alone.
     g = [H * direction(i) for i in range(3)] + [direction(3)]
     for i in range(3):
@@ -151,7 +154,7 @@ def test_a_learner_reporting_2_62_tokens_gets_at_most_the_clip_share() -> None:
 
 
 def test_honest_unequal_weights_within_the_clip_are_unchanged() -> None:
-    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), params(), published_s=T0)
+    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), *params(), published_s=T0)
     g = [H * direction(i) for i in range(3)]
     tokens = [H * 1000, H * 1500, H * 1700]  # weights H * 1000^2, 2.25x, 2.89x
     for i in range(3):
@@ -168,7 +171,7 @@ def test_an_incarnation_from_the_future_cannot_lock_a_learner_out() -> None:
     of the real a looked like a replay (DUPLICATE) and was dropped for good.
     Now: an incarnation past now + the clock-skew allowance is refused."""
     state = FragmentState(
-        0, torch.tensor(W0, dtype=torch.float32), params(quorum=1), published_s=T0
+        0, torch.tensor(W0, dtype=torch.float32), *params(quorum=1), published_s=T0
     )
     assert send(state, "a", 1, H * direction(0), incarnation=2**63 - 1) == "future_incarnation"
     real = int(T0 * 1e9)
@@ -184,7 +187,7 @@ def test_an_outlier_in_the_first_rounds_is_clipped() -> None:
     until five peer observations existed, so a delta 10^4x the honest size in
     the first round was merged as it was. Now the first round's bar is 10x the
     median of the round itself: the outlier is scaled down to it."""
-    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), params(), published_s=T0)
+    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), *params(), published_s=T0)
     honest(state, 1)
     assert send(state, "x", 1, -1e4 * H * direction(0)) == ACCEPTED
     result = close(state)
@@ -201,7 +204,7 @@ def walk_the_bar_up(action: str, rounds: int = 8) -> list[float]:
     bar if its previous delta had become the median). Returns the norm per step
     of x's merged deltas, round by round (0 when not merged)."""
     state = FragmentState(
-        0, torch.tensor(W0, dtype=torch.float32), params(quarantine_action=action), published_s=T0
+        0, torch.tensor(W0, dtype=torch.float32), *params(quarantine_action=action), published_s=T0
     )
     merged = []
     size = 9.5
@@ -214,7 +217,7 @@ def walk_the_bar_up(action: str, rounds: int = 8) -> list[float]:
         assert send(state, "x", seq, -size * H * direction(0)) == ACCEPTED
         result = close(state)
         assert result.learners[:5] == [f"h{i}" for i in range(5)]
-        recent = list(state.norm_sizes.values)[-result.included :]
+        recent = list(state.admission.norm_sizes.values)[-result.included :]
         norms = dict(zip((k[0] for k in result.keys), recent, strict=True))
         merged.append(norms.get("x", 0.0))
         size *= 9.5
@@ -246,14 +249,14 @@ def test_decoys_cannot_remove_or_lower_the_quarantine_bar() -> None:
     of 0, or below 1/Q of the typical one, never enters the window, and a
     decoy of 1/5 the honest size that does enter is a minority below the
     median: the bar stays 10x the honest norm, and the big delta is clipped."""
-    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), params(), published_s=T0)
+    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), *params(), published_s=T0)
     for seq in range(1, 25):
         honest(state, seq, learners=2)
         decoy = (0.0, 1e-9, 0.2 * H)[seq % 3]  # 0.2 per step: a fifth of the honest norm
         assert send(state, "x", seq, decoy * direction(1)) == ACCEPTED
         result = close(state)
         assert result.clipped == []  # the honest deltas were never clipped
-        assert state.norm_sizes.limit([]) == pytest.approx(10.0)
+        assert state.admission.norm_sizes.limit([]) == pytest.approx(10.0)
     before = state.weights.double().numpy().copy()
     honest(state, 1000, learners=2)
     assert send(state, "x", 1000, 1000 * H * H * direction(0)) == ACCEPTED
@@ -270,13 +273,13 @@ def test_low_weight_decoys_cannot_lower_the_weight_cap() -> None:
     took a quarter of every round. Now the cap is 3x the typical weight of
     the last merged terms, which a weight below a third of it never enters:
     from the first round on, no honest weight is capped."""
-    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), params(), published_s=T0)
+    state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), *params(), published_s=T0)
     honest_weight = H * HONEST_TOKENS_PER_STEP**2
     for seq in range(1, 25):
         honest(state, seq, learners=2)
         assert send(state, "x", seq, np.zeros(N), c_steps=1, c_tokens=1) == ACCEPTED
         assert close(state).weights_clipped == 0
-        assert state.weight_sizes.limit([]) == pytest.approx(3 * honest_weight)
+        assert state.admission.weight_sizes.limit([]) == pytest.approx(3 * honest_weight)
 
 
 def test_at_m_2_a_hostile_learner_is_half_of_every_sample() -> None:
@@ -285,7 +288,7 @@ def test_at_m_2_a_hostile_learner_is_half_of_every_sample() -> None:
     median keeps what matters most: its huge deltas are still clipped (it can
     slow the model with decoys, not break it)."""
     state = FragmentState(
-        0, torch.tensor(W0, dtype=torch.float32), params(quorum=2), published_s=T0
+        0, torch.tensor(W0, dtype=torch.float32), *params(quorum=2), published_s=T0
     )
     for seq in range(1, 9):
         honest(state, seq, learners=1)
@@ -300,14 +303,14 @@ def test_a_learners_deltas_on_two_bases_are_one_term() -> None:
     gains one norm for it, not two (it would otherwise have twice the say of a
     learner that sent once)."""
     state = FragmentState(
-        0, torch.tensor(W0, dtype=torch.float32), params(quorum=1), published_s=T0
+        0, torch.tensor(W0, dtype=torch.float32), *params(quorum=1), published_s=T0
     )
     honest(state, 1, learners=1)
     close(state)  # version 1: x's first delta below is one version behind
-    state.history.get(0)
+    state.versions.get(0)
     d0 = H * direction(3)
     d1 = 0.5 * H * direction(4)
-    v0, v1 = state.history.get(0).double().numpy(), state.weights.double().numpy()
+    v0, v1 = state.versions.get(0).double().numpy(), state.weights.double().numpy()
     x0 = Delta(
         learner_id="x", incarnation=1, seq=1, base_version=0, step=H, c_steps=H,
         c_tokens=H * 2048, numel=N,
@@ -322,10 +325,10 @@ def test_a_learners_deltas_on_two_bases_are_one_term() -> None:
     t1 = torch.tensor(d1, dtype=torch.float32)
     assert state.offer(x1, t1, None, 0.0, wall_s=at, step_s=0.5) == ACCEPTED
     honest(state, 2, learners=1)
-    windows_before = len(state.norm_sizes.values)
+    windows_before = len(state.admission.norm_sizes.values)
     result = close(state)
     assert result.included == 3 and result.learners == ["h0", "x"]
-    assert len(state.norm_sizes.values) == windows_before + 2  # one per learner
+    assert len(state.admission.norm_sizes.values) == windows_before + 2  # one per learner
     # The reference, from the written rule: x's gradient is the weighted mean of
     # (v1 - v0) + d0 and d1, weights H 2048^2 and 4 1024^2; its term weighs
     # (H 2048 + 4 1024)^2 / (H + 4), h0's H 2048^2; lr 1, no momentum.

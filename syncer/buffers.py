@@ -1,0 +1,128 @@
+"""Where a fragment's decoded deltas live until their round closes.
+
+A new tensor per delta costs more in page faults than decoding it, so buffers
+are pooled and reused round after round: fp32 buffers for deltas the torch
+close merges, and rows of int2 codes and scales for deltas the compiled close
+(:mod:`syncer.kernels`) decodes where it merges them.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from broker.codecs import Codec
+from broker.wire import Delta
+from syncer import kernels
+
+
+class _Row:
+    """A row of :class:`PackedRows`, taken until the last reference to it goes."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class PackedRows:
+    """Where packed deltas live: a row of scales and one of codes each, in two
+    arrays that the compiled close reads as they are (no copy per round), reused
+    round after round (no page faults). A row comes back when the last
+    :class:`PackedDelta` on it is dropped; the arrays double when every row is
+    taken."""
+
+    def __init__(self, numel: int, codec: Codec) -> None:
+        self.numel = numel
+        self.scales, self.codes = kernels.new_rows(0, numel)
+        self._free: list[int] = []
+        self._raw = bytearray(codec.quantised_size(numel))  # payloads decompress here
+
+    def pack(self, delta: Delta) -> PackedDelta:
+        """WireError if the payload does not decode."""
+        raw = np.frombuffer(delta.quantised(self._raw), dtype=np.uint8)
+        row = self._take()
+        scales, codes = self.scales[row.index], self.codes[row.index]
+        kernels.unpack_int2(raw, self.numel, scales, codes)
+        squares, largest = kernels.int2_stats(scales, codes)
+        return PackedDelta(row, math.sqrt(squares), largest, self.numel)
+
+    def _take(self) -> _Row:
+        if not self._free:
+            taken = len(self.scales)
+            scales, codes = kernels.new_rows(max(2 * taken, 4), self.numel)
+            scales[:taken], codes[:taken] = self.scales, self.codes
+            self.scales, self.codes = scales, codes
+            self._free = list(range(len(scales) - 1, taken - 1, -1))
+        row = _Row(self._free.pop())
+        weakref.finalize(row, self._free.append, row.index)
+        return row
+
+
+@dataclass(frozen=True)
+class PackedDelta:
+    """A delta kept as its int2 codes and scales, in a row of :class:`PackedRows`:
+    the compiled close (:func:`syncer.kernels.close_int2`) decodes it where it
+    merges it, so it never becomes a fragment of fp32 values in memory."""
+
+    row: _Row
+    norm: float  # of the values it decodes to, times ``factor``
+    magnitude: float  # their largest magnitude, inf if one is not finite
+    numel: int
+    factor: float = 1.0  # quarantine clipping scales a delta
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.numel,)
+
+    def scaled(self, factor: float) -> PackedDelta:
+        """The same codes, times ``factor`` (on the same row)."""
+        return replace(
+            self,
+            norm=self.norm * factor,
+            magnitude=self.magnitude * factor,
+            factor=self.factor * factor,
+        )
+
+
+class DeltaBuffers:
+    """One fragment's decoded deltas: :meth:`decode` into a pooled fp32 buffer,
+    or packed when ``packed`` (the compiled close merges int2 deltas with the
+    globals' blocks as codes); :meth:`release` gives a buffer back."""
+
+    def __init__(self, numel: int, codec: Codec, packed: bool) -> None:
+        self.numel = numel
+        self.rows = PackedRows(numel, codec) if packed else None
+        self._free: list[torch.Tensor] = []
+        self._pooled: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def decode(self, delta: Delta) -> torch.Tensor | PackedDelta:
+        """The delta's payload decoded, into one of the pool's buffers when it
+        has the fragment's size (a new tensor otherwise: it is refused as
+        bad_shape), or packed. WireError if it does not decode."""
+        if delta.numel != self.numel:
+            return delta.tensor()
+        codec = delta.codec
+        if self.rows is not None and codec == Codec("int2", codec.lossless, kernels.BLOCK):
+            return self.rows.pack(delta)
+        buffer = self._free.pop() if self._free else self._new_buffer()
+        try:
+            delta.tensor(out=buffer)
+            return buffer
+        except Exception:
+            self._free.append(buffer)
+            raise
+
+    def _new_buffer(self) -> torch.Tensor:
+        buffer = torch.empty(self.numel, dtype=torch.float32)
+        self._pooled[id(buffer)] = weakref.ref(buffer)
+        return buffer
+
+    def release(self, tensor: torch.Tensor | PackedDelta) -> None:
+        """Take back a buffer of :meth:`decode` (any other tensor is left alone;
+        a packed row comes back by itself when its last reference goes)."""
+        ref = self._pooled.get(id(tensor))
+        if ref is not None and ref() is tensor:
+            self._free.append(tensor)
