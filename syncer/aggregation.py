@@ -15,16 +15,14 @@ from collections.abc import Sequence
 
 import torch
 
+from broker.errors import TrustError
+
 # Below this magnitude the sum of two fp32 values cannot overflow.
 SAFE_MAGNITUDE = torch.finfo(torch.float32).max / 2
 
 
-class StaleDelta(ValueError):
+class StaleDelta(TrustError):
     """A delta whose base version is no longer (or not yet) kept."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
 
 
 class VersionHistory:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from broker.errors import TrustError
 from syncer.aggregation import (
     StaleDelta,
     VersionHistory,
@@ -92,7 +93,7 @@ def test_history_depth_two_by_hand() -> None:
     with pytest.raises(StaleDelta) as info:
         h.get(12)  # never kept, below current: refused as stale
     assert info.value.reason == "stale"
-    assert issubclass(StaleDelta, ValueError)
+    assert issubclass(StaleDelta, TrustError)
 
 
 def test_history_errors() -> None:
