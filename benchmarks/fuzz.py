@@ -206,14 +206,14 @@ def fuzz(inputs: int, seed: int) -> dict[str, Any]:
             if not isinstance(msg, (Delta, Heartbeat)):
                 outcomes[f"ignored:{msg.KIND}"] += 1  # not for the syncer's event loop
                 continue
-            before = sum(syncer.rejected.values()) + syncer.duplicates + syncer.deltas_applied
+            before = sum(syncer.metrics.rejected.values()) + syncer.metrics.duplicates + syncer.metrics.deltas_applied
             try:
                 syncer.handle([Inbound(msg, token=None)])
                 syncer.drain()  # close what the input opened: the merge runs too
             except Exception as e:
                 crashes.append({"where": "syncer", "error": repr(e), "input": data.hex()})
                 continue
-            after = sum(syncer.rejected.values()) + syncer.duplicates + syncer.deltas_applied
+            after = sum(syncer.metrics.rejected.values()) + syncer.metrics.duplicates + syncer.metrics.deltas_applied
             outcomes["syncer:" + ("handled" if after > before else "heartbeat_or_held")] += 1
             if not all(torch.isfinite(s.weights).all() for s in syncer.states.values()):
                 crashes.append(
@@ -222,8 +222,8 @@ def fuzz(inputs: int, seed: int) -> dict[str, Any]:
         seconds = time.perf_counter() - started
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        rejected = dict(syncer.rejected)
-        applied = syncer.deltas_applied
+        rejected = dict(syncer.metrics.rejected)
+        applied = syncer.metrics.deltas_applied
     return {
         "benchmark": "fuzz",
         "inputs": inputs,

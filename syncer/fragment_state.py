@@ -142,7 +142,6 @@ class FragmentState:
             self.merge = TorchMerge(outer, self.codec, self.versions)
         self.admission = Admission(outer, report_limits(outer, run))
         self.round = OpenRound(
-            run.effective_quorum,
             outer.grace_gamma,
             run.overlap,
             GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s,
@@ -232,14 +231,6 @@ class FragmentState:
         self.round.add(delta.learner_id, now)
         return ACCEPTED
 
-    def should_close(
-        self, now: float, live: set[str], step_s: float | None, known: int = 0
-    ) -> bool:
-        return self.round.should_close(now, live, step_s, known)
-
-    def close_at(self, step_s: float | None) -> float | None:
-        return self.round.close_at(step_s)
-
     # -- close -----------------------------------------------------------
     def close(self, wall_s: float, learners: int = 0) -> RoundResult:
         """Merge the round into a new version. The caller makes it durable, then
@@ -308,8 +299,8 @@ class FragmentState:
         parts = [c for t in kept for c in t.parts]
         return Round(kept, verdict.weights, parts, fractions, share)
 
-    def round_done(self, sync_s: float) -> None:
-        self.round.closed(sync_s)
+    def round_done(self, sync_s: float, quorum: int) -> None:
+        self.round.closed(sync_s, quorum)
 
     # -- checkpoint state ------------------------------------------------
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -55,27 +55,25 @@ def grace_window_s(
 class Round:
     """One fragment's open round of deltas.
 
-    The round opens with its first delta, reaches quorum with the K-th
-    distinct learner, and closes at once when every live learner has
-    reported, or when the grace window after quorum has passed. It never
-    closes before K learners reported, unless fewer are live and every live
-    one has: at once when at least K learners were once known (a round does
-    not wait for the dead), else once it has been open ``absent_wait_s`` (it
-    waits that long for learners that have not started yet, never for ever:
-    a run scaled to fewer learners than its quorum still trains). With no
-    learner live at all it closes at once.
+    The round opens with its first delta and reaches quorum with the K-th
+    distinct learner (K is asked of the run's one owner of it,
+    :class:`syncer.membership.Membership`, and given to every call). It closes
+    at once when every live learner has reported, or when the grace window
+    after quorum has passed. It never closes before K learners reported,
+    unless fewer are live and every live one has: at once when at least K
+    learners were once known (a round does not wait for the dead), else once
+    it has been open ``absent_wait_s`` (it waits that long for learners that
+    have not started yet, never for ever: a run scaled to fewer learners than
+    its quorum still trains). With no learner live at all it closes at once.
     """
 
     def __init__(
         self,
-        quorum: int,
         gamma: float,
         tau_steps: float,
         absent_wait_s: float = math.inf,
         ema_alpha: float = 0.2,
     ) -> None:
-        if quorum < 1:
-            raise ValueError(f"quorum must be >= 1, got {quorum}")
         if not 0 <= gamma < 1:
             raise ValueError(f"grace gamma must be in [0, 1), got {gamma}")
         if not tau_steps >= 0:  # also refuses NaN
@@ -83,29 +81,29 @@ class Round:
         if not absent_wait_s >= 0:
             raise ValueError(f"absent wait must be >= 0, got {absent_wait_s}")
         self.absent_wait_s = absent_wait_s
-        self.quorum = quorum
         self.gamma = gamma
         self.tau_steps = tau_steps
         self.quorum_s = Ema(ema_alpha)
         self.sync_s = Ema(ema_alpha)
-        self.reporters: set[str] = set()
-        self.opened_at: float | None = None
-        self.quorum_at: float | None = None
+        self.arrivals: dict[str, float] = {}  # each reporter's first delta of the round
+
+    @property
+    def reporters(self) -> set[str]:
+        return set(self.arrivals)
+
+    @property
+    def opened_at(self) -> float | None:
+        return min(self.arrivals.values()) if self.arrivals else None
 
     def add(self, learner_id: str, now: float) -> None:
-        if self.opened_at is None:
-            self.opened_at = now
-        self.reporters.add(learner_id)
-        if self.quorum_at is None and len(self.reporters) >= self.quorum:
-            self.quorum_at = now
+        self.arrivals.setdefault(learner_id, now)
 
-    def set_quorum(self, quorum: int, now: float) -> None:
-        """K changes with the learners that joined the run (see the service)."""
+    def quorum_at(self, quorum: int) -> float | None:
+        """When the K-th distinct learner reported, or None before."""
         if quorum < 1:
             raise ValueError(f"quorum must be >= 1, got {quorum}")
-        self.quorum = quorum
-        if self.quorum_at is None and self.opened_at is not None and len(self.reporters) >= quorum:
-            self.quorum_at = now
+        times = sorted(self.arrivals.values())
+        return times[quorum - 1] if len(times) >= quorum else None
 
     def grace_window_s(self, step_s: float | None) -> float:
         """The current window, 0 until a step time has been observed."""
@@ -115,44 +113,46 @@ class Round:
             self.gamma, self.tau_steps, step_s, self.quorum_s.value or 0.0, self.sync_s.value or 0.0
         )
 
-    def close_at(self, step_s: float | None) -> float | None:
+    def close_at(self, step_s: float | None, quorum: int) -> float | None:
         """When the grace window runs out, or None while quorum is not reached."""
-        if self.quorum_at is None:
+        reached = self.quorum_at(quorum)
+        if reached is None:
             return None
-        return self.quorum_at + self.grace_window_s(step_s)
+        return reached + self.grace_window_s(step_s)
 
     def should_close(
-        self, now: float, live: Collection[str], step_s: float | None, known: int = 0
+        self, now: float, live: Collection[str], step_s: float | None, known: int, quorum: int
     ) -> bool:
-        """``live``: learners heard from recently; ``known``: learners that joined.
-        The service passes the roster's (:class:`Roster`), never raw heartbeats."""
-        if self.opened_at is None:
+        """``live``: the learners the round waits for; ``known``: learners that
+        joined. The service passes the roster's (:class:`Roster`), never raw
+        heartbeats."""
+        opened_at = self.opened_at
+        if opened_at is None:
             return False
         if not live:
             # Every learner went silent (they finished, or were stopped): none
             # is coming to complete the round, so merge what arrived.
             return True
-        all_live_reported = all(learner in self.reporters for learner in live)
+        all_live_reported = all(learner in self.arrivals for learner in live)
         # Fewer than K are alive and all of those reported. If K existed,
         # waiting for K would stall the fragment until the dead come back (or
         # forever, at the end of a run); if K never did, the missing ones may
         # still be starting, so wait for them, but not for ever.
-        short = all_live_reported and len(live) < self.quorum
-        if short and (self.quorum <= known or now - self.opened_at >= self.absent_wait_s):
+        short = all_live_reported and len(live) < quorum
+        if short and (quorum <= known or now - opened_at >= self.absent_wait_s):
             return True
-        deadline = self.close_at(step_s)
+        deadline = self.close_at(step_s, quorum)
         if deadline is None:
             return False
         return all_live_reported or now >= deadline
 
-    def closed(self, sync_s: float) -> None:
+    def closed(self, sync_s: float, quorum: int) -> None:
         """Record the round's timings and start an empty one."""
-        if self.quorum_at is not None and self.opened_at is not None:
-            self.quorum_s.update(self.quorum_at - self.opened_at)
+        reached, opened_at = self.quorum_at(quorum), self.opened_at
+        if reached is not None and opened_at is not None:
+            self.quorum_s.update(reached - opened_at)
         self.sync_s.update(sync_s)
-        self.reporters = set()
-        self.opened_at = None
-        self.quorum_at = None
+        self.arrivals = {}
 
 
 class Roster:

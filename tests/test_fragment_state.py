@@ -303,9 +303,18 @@ def test_decoded_deltas_reuse_the_fragments_buffers() -> None:
 
     def sent(seq: int, base: int) -> Delta:
         return Delta(
-            run_id="r", learner_id="a", incarnation=0, seq=seq, fragment=0,
-            base_version=base, c_tokens=100, c_steps=4, numel=N, step=10 * seq,
-            codec=codec, payload=payload,
+            run_id="r",
+            learner_id="a",
+            incarnation=0,
+            seq=seq,
+            fragment=0,
+            base_version=base,
+            c_tokens=100,
+            c_steps=4,
+            numel=N,
+            step=10 * seq,
+            codec=codec,
+            payload=payload,
         )
 
     state = FragmentState(0, f32(W0), *params(quorum=1), published_s=T0)
@@ -680,20 +689,22 @@ def test_should_close_follows_quorum_and_round_done_resets() -> None:
     state = FragmentState(0, f32(W0), *params(quorum=2), published_s=T0)
     live = {"a", "b", "c"}
     offer(state, delta("a", 0, 0), np.zeros(N), now=10.0)
-    assert not state.should_close(11.0, live, step_s=1.0)
-    assert state.close_at(1.0) is None
+    assert not state.round.should_close(11.0, live, step_s=1.0, known=0, quorum=2)
+    assert state.round.close_at(1.0, quorum=2) is None
     offer(state, delta("b", 0, 0), np.zeros(N), now=12.0)
     # Quorum at t=12. No step time yet: no grace window. With 1 s steps and no
     # history: 0.5 * max(0, 2 * 1.0 - 0) = 1 s after quorum.
-    assert state.close_at(None) == 12.0
-    assert state.close_at(1.0) == 13.0
-    assert not state.should_close(12.5, {"a", "b", "c"}, step_s=1.0)
-    assert state.should_close(12.5, {"a", "b"}, step_s=1.0)  # every live one reported
-    assert state.should_close(12.0, live, step_s=None)
+    assert state.round.close_at(None, quorum=2) == 12.0
+    assert state.round.close_at(1.0, quorum=2) == 13.0
+    assert not state.round.should_close(12.5, {"a", "b", "c"}, step_s=1.0, known=0, quorum=2)
+    assert state.round.should_close(
+        12.5, {"a", "b"}, step_s=1.0, known=0, quorum=2
+    )  # every live one reported
+    assert state.round.should_close(12.0, live, step_s=None, known=0, quorum=2)
     state.close(T1)
-    state.round_done(sync_s=0.1)
+    state.round_done(sync_s=0.1, quorum=2)
     assert state.round.opened_at is None and state.round.reporters == set()
-    assert not state.should_close(100.0, live, step_s=1.0)
+    assert not state.round.should_close(100.0, live, step_s=1.0, known=0, quorum=2)
 
 
 # -- checkpoint state ----------------------------------------------------------

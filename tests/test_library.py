@@ -203,7 +203,7 @@ def test_bf16_parameters_and_tied_weights_round_trip(tmp_path: Path) -> None:
                 rebuilt = sync.fragments.base[p] - sync.fragments.delta(p, sync.params)
                 held = sync.plan.flatten(sync.params, p)
                 assert torch.allclose(rebuilt, held, rtol=1e-6, atol=1e-7)
-        assert sync.delivered and not syncer.rejected
+        assert sync.delivered and not syncer.metrics.rejected
         assert min(s.version for s in syncer.states.values()) >= 3
         # Down: a global lands in bf16 parameters as exactly its bf16 rounding.
         fresh = make_model(dtype=torch.bfloat16, tied=True)
@@ -304,7 +304,7 @@ def test_a_learner_killed_inside_the_context_restarts_and_rejoins(tmp_path: Path
         )
         os.kill(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
-        merged = syncer.deltas_applied
+        merged = syncer.metrics.deltas_applied
         second = subprocess.run(
             [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
         )
@@ -313,7 +313,7 @@ def test_a_learner_killed_inside_the_context_restarts_and_rejoins(tmp_path: Path
         # It resumed its schedule and loaded the merged global model.
         assert lines[0]["start_step"] >= 40 and min(lines[0]["versions"]) >= 1
         assert lines[-1] == {"done": 400}
-        assert syncer.deltas_applied > merged  # and it contributed again
+        assert syncer.metrics.deltas_applied > merged  # and it contributed again
 
 
 def test_a_restart_resumes_step_tokens_incarnation_and_optimizer_state(tmp_path: Path) -> None:
@@ -370,7 +370,7 @@ def test_a_syncer_that_lost_its_checkpoint_cannot_lock_learners_out(tmp_path: Pa
 
         def learning_again() -> bool:
             train(sync, model, steps=4, seed=2)
-            return second.deltas_applied >= 4
+            return second.metrics.deltas_applied >= 4
 
         wait_until(learning_again, 60, what="the new syncer to merge the learner's deltas")
         assert all(sync.fragments.base_epoch[p] == epoch for p in range(2))
@@ -435,4 +435,4 @@ def test_a_global_forged_into_redis_with_a_huge_version_locks_no_learner_out(
 
             wait_until(recovered, 60, interval_s=0, what="the learner to count again")
         assert sync.stats.refused["future_version"] >= 1
-        assert syncer.rejected["future_version"] >= 1
+        assert syncer.metrics.rejected["future_version"] >= 1

@@ -47,19 +47,21 @@ def test_ema_bad_alpha(alpha: float) -> None:
 
 # -- rounds ----------------------------------------------------------------------
 def test_never_closes_before_k_distinct_learners() -> None:
-    r = Round(quorum=3, gamma=0.5, tau_steps=2)
+    r = Round(gamma=0.5, tau_steps=2)
     live = {"a", "b", "c", "d"}
     r.add("a", 0.0)
     r.add("a", 1.0)
     r.add("b", 2.0)
     r.add("b", 3.0)  # duplicates do not count
-    assert r.quorum_at is None and r.close_at(1.0) is None
+    assert r.quorum_at(3) is None and r.close_at(1.0, quorum=3) is None
     for now in (3.0, 100.0, 1e9):
-        assert not r.should_close(now, live, step_s=1.0)
-        assert not r.should_close(now, {"a", "b"}, step_s=1.0)  # even if all live reported
-        assert not r.should_close(now, live, step_s=None)
+        assert not r.should_close(now, live, step_s=1.0, known=0, quorum=3)
+        assert not r.should_close(
+            now, {"a", "b"}, step_s=1.0, known=0, quorum=3
+        )  # even if all live reported
+        assert not r.should_close(now, live, step_s=None, known=0, quorum=3)
     r.add("c", 4.0)
-    assert r.quorum_at == 4.0 and r.opened_at == 0.0
+    assert r.quorum_at(3) == 4.0 and r.opened_at == 0.0
     assert r.reporters == {"a", "b", "c"}
 
 
@@ -67,71 +69,73 @@ def test_waits_a_bounded_time_for_learners_that_never_joined() -> None:
     """Fewer learners than K ever joined (a run scaled below its quorum, or
     learners still starting): once every live one reported, the round waits
     ``absent_wait_s`` for the others, then closes instead of stalling for ever."""
-    r = Round(quorum=3, gamma=0.5, tau_steps=2, absent_wait_s=5.0)
+    r = Round(gamma=0.5, tau_steps=2, absent_wait_s=5.0)
     r.add("a", 10.0)
     r.add("b", 11.0)
-    assert not r.should_close(14.9, {"a", "b"}, step_s=1.0, known=2)
-    assert r.should_close(15.0, {"a", "b"}, step_s=1.0, known=2)
+    assert not r.should_close(14.9, {"a", "b"}, step_s=1.0, known=2, quorum=3)
+    assert r.should_close(15.0, {"a", "b"}, step_s=1.0, known=2, quorum=3)
     # A live learner that has not reported yet is still waited for (by quorum).
-    assert not r.should_close(100.0, {"a", "b", "c"}, step_s=1.0, known=3)
+    assert not r.should_close(100.0, {"a", "b", "c"}, step_s=1.0, known=3, quorum=3)
     with pytest.raises(ValueError, match="absent wait"):
-        Round(quorum=3, gamma=0.5, tau_steps=2, absent_wait_s=-1.0)
+        Round(gamma=0.5, tau_steps=2, absent_wait_s=-1.0)
 
 
 def test_closes_when_every_learner_went_silent() -> None:
     """The learners were stopped with a round short of quorum: it used to hold
     its deltas (unacknowledged) until the syncer itself stopped."""
-    r = Round(quorum=3, gamma=0.5, tau_steps=2)
+    r = Round(gamma=0.5, tau_steps=2)
     r.add("a", 10.0)
-    assert not r.should_close(11.0, {"a", "b", "c"}, step_s=1.0, known=3)
-    assert r.should_close(30.0, set(), step_s=1.0, known=3)
-    assert not Round(quorum=3, gamma=0.5, tau_steps=2).should_close(30.0, set(), step_s=1.0)
+    assert not r.should_close(11.0, {"a", "b", "c"}, step_s=1.0, known=3, quorum=3)
+    assert r.should_close(30.0, set(), step_s=1.0, known=3, quorum=3)
+    assert not Round(gamma=0.5, tau_steps=2).should_close(
+        30.0, set(), step_s=1.0, known=0, quorum=3
+    )
 
 
 def test_closes_at_once_when_all_live_reported() -> None:
-    r = Round(quorum=2, gamma=0.5, tau_steps=2)
+    r = Round(gamma=0.5, tau_steps=2)
     r.add("a", 10.0)
     r.add("b", 10.5)
     # Grace (no EMA yet): 0.5 * 2 * 4.0 = 4 s after quorum -> 14.5.
-    assert r.close_at(step_s=4.0) == pytest.approx(14.5)
-    assert not r.should_close(10.6, {"a", "b", "c"}, step_s=4.0)
-    assert r.should_close(10.6, {"a", "b"}, step_s=4.0)
+    assert r.close_at(step_s=4.0, quorum=2) == pytest.approx(14.5)
+    assert not r.should_close(10.6, {"a", "b", "c"}, step_s=4.0, known=0, quorum=2)
+    assert r.should_close(10.6, {"a", "b"}, step_s=4.0, known=0, quorum=2)
     # Dead learners are not waited for: live is a subset of reporters.
-    assert r.should_close(10.6, {"b"}, step_s=4.0)
+    assert r.should_close(10.6, {"b"}, step_s=4.0, known=0, quorum=2)
     r.add("c", 11.0)
-    assert r.should_close(11.0, {"a", "b", "c"}, step_s=4.0)
+    assert r.should_close(11.0, {"a", "b", "c"}, step_s=4.0, known=0, quorum=2)
 
 
 def test_otherwise_closes_at_quorum_plus_grace() -> None:
-    r = Round(quorum=2, gamma=0.5, tau_steps=2)
+    r = Round(gamma=0.5, tau_steps=2)
     live = {"a", "b", "c"}
     r.add("a", 0.0)
     r.add("b", 1.0)
     deadline = 1.0 + 0.5 * 2 * 3.0  # quorum_at + gamma * tau * step, no EMA yet
-    assert r.close_at(step_s=3.0) == pytest.approx(deadline)
-    assert not r.should_close(deadline - 1e-6, live, step_s=3.0)
-    assert r.should_close(deadline, live, step_s=3.0)
-    assert r.should_close(deadline + 5, live, step_s=3.0)
+    assert r.close_at(step_s=3.0, quorum=2) == pytest.approx(deadline)
+    assert not r.should_close(deadline - 1e-6, live, step_s=3.0, known=0, quorum=2)
+    assert r.should_close(deadline, live, step_s=3.0, known=0, quorum=2)
+    assert r.should_close(deadline + 5, live, step_s=3.0, known=0, quorum=2)
     # Without a step time the window is 0: close at quorum.
     assert r.grace_window_s(None) == 0.0
-    assert r.close_at(step_s=None) == 1.0
-    assert r.should_close(1.0, live, step_s=None)
+    assert r.close_at(step_s=None, quorum=2) == 1.0
+    assert r.should_close(1.0, live, step_s=None, known=0, quorum=2)
 
 
 def test_emas_updated_on_closed_and_feed_the_window() -> None:
-    r = Round(quorum=2, gamma=0.5, tau_steps=2, ema_alpha=0.5)
+    r = Round(gamma=0.5, tau_steps=2, ema_alpha=0.5)
     r.add("a", 0.0)
     r.add("b", 0.4)  # quorum after 0.4 s
-    r.closed(sync_s=0.1)
+    r.closed(sync_s=0.1, quorum=2)
     assert r.quorum_s.value == pytest.approx(0.4)
     assert r.sync_s.value == pytest.approx(0.1)
-    assert r.reporters == set() and r.opened_at is None and r.quorum_at is None
+    assert r.reporters == set() and r.opened_at is None and r.quorum_at(2) is None
     # 0.5 * (2 * 1.5 - (0.4 + 0.1)) = 1.25
     assert r.grace_window_s(1.5) == pytest.approx(1.25)
     r.add("b", 10.0)
     r.add("a", 11.2)  # quorum after 1.2 s
-    assert r.close_at(1.5) == pytest.approx(11.2 + 1.25)
-    r.closed(sync_s=0.3)
+    assert r.close_at(1.5, quorum=2) == pytest.approx(11.2 + 1.25)
+    r.closed(sync_s=0.3, quorum=2)
     assert r.quorum_s.value == pytest.approx(0.5 * 1.2 + 0.5 * 0.4)  # 0.8
     assert r.sync_s.value == pytest.approx(0.5 * 0.3 + 0.5 * 0.1)  # 0.2
     # 0.5 * (3 - 1.0) = 1.0; a slow quorum clamps the window at 0.
@@ -140,28 +144,26 @@ def test_emas_updated_on_closed_and_feed_the_window() -> None:
 
 
 def test_closed_without_quorum_records_only_sync() -> None:
-    r = Round(quorum=3, gamma=0.5, tau_steps=2)
+    r = Round(gamma=0.5, tau_steps=2)
     r.add("a", 0.0)
-    r.closed(sync_s=0.2)
+    r.closed(sync_s=0.2, quorum=3)
     assert r.quorum_s.value is None
     assert r.sync_s.value == pytest.approx(0.2)
     assert r.opened_at is None and r.reporters == set()
 
 
 def test_quorum_of_one_and_new_round_reopens() -> None:
-    r = Round(quorum=1, gamma=0.5, tau_steps=2)
+    r = Round(gamma=0.5, tau_steps=2)
     r.add("a", 5.0)
-    assert r.quorum_at == 5.0 and r.opened_at == 5.0
-    r.closed(0.0)
+    assert r.quorum_at(1) == 5.0 and r.opened_at == 5.0
+    r.closed(0.0, quorum=1)
     r.add("b", 9.0)
-    assert r.opened_at == 9.0 and r.quorum_at == 9.0
+    assert r.opened_at == 9.0 and r.quorum_at(1) == 9.0
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"quorum": 0}, "quorum"),
-        ({"quorum": -1}, "quorum"),
         ({"gamma": 1.0}, "gamma"),
         ({"gamma": -0.1}, "gamma"),
         ({"gamma": NAN}, "gamma"),
@@ -172,22 +174,28 @@ def test_quorum_of_one_and_new_round_reopens() -> None:
     ],
 )
 def test_invalid_args_raise(kwargs: dict[str, float], match: str) -> None:
-    args: dict[str, float] = {"quorum": 2, "gamma": 0.5, "tau_steps": 2}
+    args: dict[str, float] = {"gamma": 0.5, "tau_steps": 2}
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         Round(**args)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("quorum", [0, -1])
+def test_a_quorum_below_one_raises(quorum: int) -> None:
+    with pytest.raises(ValueError, match="quorum"):
+        Round(gamma=0.5, tau_steps=2).quorum_at(quorum)
+
+
 def test_does_not_wait_for_dead_learners_but_waits_for_unstarted_ones() -> None:
-    r = Round(quorum=3, gamma=0.5, tau_steps=2)
+    r = Round(gamma=0.5, tau_steps=2)
     r.add("a", 0.0)
     r.add("b", 0.1)
     # Four learners were known, two are alive and both reported: close.
-    assert r.should_close(0.2, live={"a", "b"}, step_s=1.0, known=4)
+    assert r.should_close(0.2, live={"a", "b"}, step_s=1.0, known=4, quorum=3)
     # Only two learners ever existed (the others have not started): wait for K.
-    assert not r.should_close(0.2, live={"a", "b"}, step_s=1.0, known=2)
+    assert not r.should_close(0.2, live={"a", "b"}, step_s=1.0, known=2, quorum=3)
     # A live learner has not reported: wait.
-    assert not r.should_close(0.2, live={"a", "c"}, step_s=1.0, known=4)
+    assert not r.should_close(0.2, live={"a", "c"}, step_s=1.0, known=4, quorum=3)
 
 
 # -- the roster -----------------------------------------------------------------
@@ -260,22 +268,22 @@ def test_fake_heartbeats_neither_hold_a_round_open_nor_make_a_quorum() -> None:
         assert not roster.heard(name, 1.0, step_time_s=TIMEOUT)
     live = roster.live(1.0)
     assert live == {"a", "b", "c"} and len(roster) == 3 and roster.median_step_s() is None
-    held = Round(quorum=2, gamma=0.5, tau_steps=2)
+    held = Round(gamma=0.5, tau_steps=2)
     for name in ("a", "b", "c"):
         held.add(name, 1.0)
-    assert held.should_close(1.0, live, roster.median_step_s(), len(roster))
+    assert held.should_close(1.0, live, roster.median_step_s(), len(roster), quorum=2)
 
     # Quorum K = 3, only a and b ever joined; the fakes went quiet long ago.
     two = roster_of("a", "b", cap=4)
     for name in fakes:
         two.heard(name, 0.0)
-    r = Round(quorum=3, gamma=0.5, tau_steps=2)
+    r = Round(gamma=0.5, tau_steps=2)
     r.add("a", 10.0)
     r.add("b", 10.0)
     for now in (10.0, 100.0, 1e6):
         two.heard("a", now)
         two.heard("b", now)
-        assert not r.should_close(now, two.live(now), two.median_step_s(), len(two))
+        assert not r.should_close(now, two.live(now), two.median_step_s(), len(two), quorum=3)
 
 
 def test_pace_time_is_the_smaller_of_the_reported_one_and_the_pace() -> None:
@@ -327,7 +335,7 @@ def test_heartbeats_alone_do_not_hold_rounds_open() -> None:
     heartbeats keep it on the roster."""
     h, step_s = 12, 0.5
     roster = Roster(2, TIMEOUT, 0.0)
-    r = Round(quorum=2, gamma=0.5, tau_steps=2)
+    r = Round(gamma=0.5, tau_steps=2)
     for name in ("a", "b"):
         roster.join(name, 0.0)
     for i in range(1, 21):  # both report their pace: 0.5 s a step
@@ -343,7 +351,7 @@ def test_heartbeats_alone_do_not_hold_rounds_open() -> None:
     assert roster.waited_for(now, h) == {"a"}
     r.add("a", now)
     waited = roster.waited_for(now, h)
-    assert r.should_close(now, waited, roster.median_step_s(), len(roster))
+    assert r.should_close(now, waited, roster.median_step_s(), len(roster), quorum=2)
     # Its deltas arrive again: waited for again.
     roster.join("b", now + 1.0)
     assert roster.waited_for(now + 1.0, h) == {"a", "b"}

@@ -139,7 +139,7 @@ def test_round_checkpoint_publish_ack_and_exactly_once_across_restart(tmp_path: 
         # within the default int2 codec's bf16 scale (2**-8 of the change).
         assert torch.allclose(v1, w0 - 0.2, atol=0.2 * 2**-8)
         assert fragment_path(tmp_path / "ck", 0).exists()
-        assert syncer.rejected["wrong_plan"] == 1
+        assert syncer.metrics.rejected["wrong_plan"] == 1
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
         assert 'ddiloco_syncer_rounds_total{fragment="0"} 1.0' in body
         assert 'ddiloco_syncer_deltas_rejected_total{reason="wrong_plan"} 1.0' in body
@@ -159,7 +159,7 @@ def test_round_checkpoint_publish_ack_and_exactly_once_across_restart(tmp_path: 
             return a.unacked == 0
 
         wait_until(replay_acked, 20, what="replay acknowledged")
-        assert restarted.duplicates == 1 and restarted.deltas_applied == 0
+        assert restarted.metrics.duplicates == 1 and restarted.metrics.deltas_applied == 0
         assert restarted.states[0].version == 1
         restarted.transport.close()
     finally:
@@ -178,7 +178,9 @@ def test_round_closes_at_once_when_every_live_learner_reported(tmp_path: Path) -
         # learner reported, the round must not wait for it.
         a.send_heartbeat(Heartbeat(run_id="svc", learner_id="a", step=1, step_time_s=100.0))
         a.send_delta(delta_for(start, "a", 1, 0.5))
-        wait_until(lambda: (syncer.step(), syncer.rounds)[1] == 1, 10, what="round to close")
+        wait_until(
+            lambda: (syncer.step(), syncer.metrics.rounds)[1] == 1, 10, what="round to close"
+        )
         assert syncer.states[1].version == 1
     finally:
         syncer.transport.close()
@@ -238,17 +240,17 @@ def test_fake_heartbeats_neither_hold_a_round_open_nor_make_a_quorum(tmp_path: P
         syncer.handle(fakes)
         clock.t = 106.0  # the fakes have gone quiet; a and b report
         syncer.handle([delta_on(syncer, "a", 1, 0.1), delta_on(syncer, "b", 1, 0.1)])
-        assert syncer.rounds == 0 and syncer.states[0].pending_learners == ["a", "b"]
+        assert syncer.metrics.rounds == 0 and syncer.states[0].pending_learners == ["a", "b"]
         clock.t = 107.0
         # 1 s steps: a and b are waited for while their deltas are 2 H = 4 s old.
         syncer.handle([heartbeat("a", 1.0), heartbeat("b", 1.0)])
-        assert syncer.rounds == 0  # two of K = 3: no quorum
+        assert syncer.metrics.rounds == 0  # two of K = 3: no quorum
         clock.t = 108.0  # the fakes are back, and c reports
         syncer.handle(
             [*fakes, heartbeat("a", 1.0), heartbeat("b", 1.0), delta_on(syncer, "c", 1, 0.1)]
         )
-        assert syncer.rounds == 1 and syncer.states[0].version == 1  # at once
-        assert syncer.heartbeats_ignored == 20
+        assert syncer.metrics.rounds == 1 and syncer.states[0].version == 1  # at once
+        assert syncer.metrics.heartbeats_ignored == 20
         summary = syncer.summary()
         assert summary["heartbeats_ignored"] == 20 and summary["roster"] == ["a", "b", "c"]
         assert syncer.live_learners(108.0) == {"a", "b", "c"}
@@ -272,15 +274,15 @@ def test_a_cluster_started_below_its_quorum_still_merges_and_says_why(tmp_path: 
         for t in range(101, int(100.0 + wait_s)):  # both alive and heard
             clock.t = t
             syncer.handle([heartbeat("a", 5.0), heartbeat("b", 5.0)])
-        assert syncer.rounds == 0 and syncer.quorum() == 3
+        assert syncer.metrics.rounds == 0 and syncer.quorum() == 3
         clock.t = 100.0 + wait_s
         syncer.handle([heartbeat("a", 5.0), heartbeat("b", 5.0)])
-        assert syncer.rounds == 1 and syncer.states[0].version == 1
+        assert syncer.metrics.rounds == 1 and syncer.states[0].version == 1
         assert syncer.quorum() == 2
         syncer.handle([delta_on(syncer, "a", 2, 0.1)])
-        assert syncer.rounds == 1
+        assert syncer.metrics.rounds == 1
         syncer.handle([delta_on(syncer, "b", 2, 0.1)])
-        assert syncer.rounds == 2  # at once: K = 2 reported, no grace (gamma 0)
+        assert syncer.metrics.rounds == 2  # at once: K = 2 reported, no grace (gamma 0)
         warnings = [e for e in events_of(tmp_path) if e["event"] == "short_run"]
         assert [(e["roster"], e["quorum"]) for e in warnings] == [(2, 3)]
     finally:
@@ -303,12 +305,12 @@ def test_made_up_ids_on_the_roster_cannot_raise_the_quorum(tmp_path: Path) -> No
     try:
         syncer.handle([delta_on(syncer, name, 1, 0.1) for name in fakes])
         assert len(syncer.roster) == 10 and syncer.quorum() == 3
-        rounds = syncer.rounds
+        rounds = syncer.metrics.rounds
         clock.t = 101.0
         beats = [heartbeat(name) for name in fakes]
         honest = [delta_on(syncer, name, 1, 0.1) for name in ("a", "b", "c")]
         syncer.handle([*beats, *honest])
-        assert syncer.quorum() == 3 and syncer.rounds == rounds + 1  # at once: grace 0
+        assert syncer.quorum() == 3 and syncer.metrics.rounds == rounds + 1  # at once: grace 0
     finally:
         syncer.transport.close()
 
@@ -331,18 +333,20 @@ def test_every_refusal_is_counted_by_reason(tmp_path: Path) -> None:
             [heartbeat("a"), delta_on(syncer, "a", 1, 0.1), delta_on(syncer, "b", 1, 0.1)]
         )
         # a joined with its delta, so its heartbeat of the same batch counts
-        assert syncer.rounds == 1 and syncer.heartbeats_ignored == 0
+        assert syncer.metrics.rounds == 1 and syncer.metrics.heartbeats_ignored == 0
         clock.t = 2.0
         syncer.handle([heartbeat("z"), delta_on(syncer, "z", 1, 0.1)])
-        assert syncer.rejected == {"roster_full": 1} and syncer.heartbeats_ignored == 1
+        assert (
+            syncer.metrics.rejected == {"roster_full": 1} and syncer.metrics.heartbeats_ignored == 1
+        )
         clock.t = 3.0
         syncer.handle([heartbeat("a", 1e-9), heartbeat("b", 0.5)])
         syncer.handle([delta_on(syncer, "a", 2, 0.1, c_steps=10**6, c_tokens=10**6)])
         syncer.handle([delta_on(syncer, "b", 1, 0.1)])  # replayed: already applied
-        assert syncer.rejected["too_many_steps"] == 1 and syncer.duplicates == 1
+        assert syncer.metrics.rejected["too_many_steps"] == 1 and syncer.metrics.duplicates == 1
         clock.t = 4.0
         syncer.handle([delta_on(syncer, "a", 3, 0.1), delta_on(syncer, "b", 2, 100.0)])
-        assert syncer.rounds == 2 and syncer.rejected["quarantined"] == 1
+        assert syncer.metrics.rounds == 2 and syncer.metrics.rejected["quarantined"] == 1
         assert syncer.states[0].applied["b"] == (1, 1)  # its refused delta used no key
         clock.t = 20.0  # b silent since 4.0: z may take its place
         syncer.handle([heartbeat("a"), delta_on(syncer, "z", 2, 0.1)])
@@ -359,7 +363,7 @@ def test_every_refusal_is_counted_by_reason(tmp_path: Path) -> None:
     rejects = sorted(e["reason"] for e in events if e["event"] == "reject")
     assert rejects == sorted(by_reason)
     assert [e["replaced"] for e in events if e["event"] == "roster_replace"] == ["b"]
-    body = generate_latest(syncer.metrics.registry).decode()
+    body = generate_latest(syncer.metrics.prometheus.registry).decode()
     assert 'ddiloco_syncer_deltas_rejected_total{reason="quarantined"} 1.0' in body
     assert "ddiloco_syncer_deltas_duplicate_total 1.0" in body
     assert "ddiloco_syncer_heartbeats_ignored_total 1.0" in body

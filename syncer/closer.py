@@ -1,0 +1,165 @@
+"""Closing a round in the order that makes application exactly-once:
+
+    merge -> checkpoint (atomic rename) -> publish -> ack
+
+and publishing fragments (after a round, at start, and again while idle)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from broker.transport import Inbound, SyncerTransport
+from broker.wire import Delta, GlobalFragment
+from syncer.checkpoint import save_fragment
+from syncer.fragment_state import QUARANTINED, FragmentState, Publication, RoundOverflow
+from syncer.membership import Membership
+from syncer.metrics import SyncerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class RoundCloser:
+    """Closes fragments' rounds, makes them durable, publishes and answers them."""
+
+    def __init__(
+        self,
+        states: dict[int, FragmentState],
+        *,
+        run_id: str,
+        plan_hash: str,
+        checkpoint_dir: Path,
+        membership: Membership,
+        metrics: SyncerMetrics,
+        transport: SyncerTransport,
+        refuse: Callable[[Inbound, str], None],
+        crash_point: Callable[[str], None],
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+    ) -> None:
+        self.states = states
+        self.run_id = run_id
+        self.plan_hash = plan_hash
+        self.checkpoint_dir = checkpoint_dir
+        self.membership = membership
+        self.metrics = metrics
+        self.transport = transport
+        self.refuse = refuse
+        self.crash_point = crash_point
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self._published_at: dict[int, float] = {}  # clock() of each fragment's last publish
+
+    def close_ready(self, now: float) -> None:
+        """Close every round that should close now (:meth:`Round.should_close`)."""
+        membership = self.membership
+        waited = membership.waited_for(now)
+        step_s = membership.roster.median_step_s()
+        for p, state in self.states.items():
+            quorum = membership.quorum()
+            known = len(membership.roster)
+            if state.round.should_close(now, waited, step_s, known, quorum):
+                if len(state.pending_learners) < quorum and known < quorum:
+                    advice = membership.settle_short_run()
+                    if advice is not None:
+                        self.metrics.event("short_run", roster=known, quorum=quorum)
+                self.close_round(p)
+
+    def _answer(self, refs: list[Inbound], refused: list[tuple[str, int, int]]) -> None:
+        """Acknowledge a closed round's deltas, except those its quarantine refused."""
+        keys = set(refused)
+        to_ack = []
+        for ref in refs:
+            d = ref.message
+            if isinstance(d, Delta) and (d.learner_id, d.incarnation, d.seq) in keys:
+                self.transport.refuse(ref, QUARANTINED)
+            else:
+                to_ack.append(ref)
+        self.transport.ack(to_ack)
+
+    def close_round(self, p: int) -> None:
+        state, membership = self.states[p], self.membership
+        started = self.clock()
+        quorum = membership.quorum()
+        reached, opened_at = state.round.quorum_at(quorum), state.round.opened_at
+        quorum_s = None if reached is None or opened_at is None else reached - opened_at
+        grace_s = state.round.grace_window_s(membership.roster.median_step_s())
+        try:
+            result = state.close(self.wall_clock(), membership.full_round(started))
+        except RoundOverflow as e:
+            log.error("%s: refusing its %d deltas", e, len(e.refs))
+            for ref in e.refs:
+                self.refuse(ref, "overflow")
+            state.round_done(0.0, quorum)
+            return
+        self.crash_point("after_update")
+        for learner, _, seq in result.refused:
+            self.metrics.reject(QUARANTINED, learner, p, seq)
+        if not result.published:  # quarantine refused every delta: nothing changed
+            self._answer(result.refs, result.refused)
+            state.round_done(0.0, quorum)
+            return
+        tensors, meta = state.state()
+        save_fragment(self.checkpoint_dir, p, tensors, meta)  # durable before anything leaves
+        self.crash_point("after_checkpoint")
+        self.publish(p)
+        self.crash_point("before_ack")
+        self._answer(result.refs, result.refused)
+        sync_s = self.clock() - started
+        state.round_done(sync_s, quorum)
+        timings = {"quorum_s": quorum_s, "grace_s": grace_s, "sync_s": sync_s}
+        self.metrics.round(p, result, quorum, timings)
+
+    def republish_idle(self, now: float, period_s: float) -> None:
+        """Publish again a fragment that has not moved for ``period_s``.
+
+        Globals go out by publish/subscribe, which drops what a subscriber that is
+        (re)connecting misses. A syncer that restarts, with its checkpoint or
+        without (a new epoch), publishes once at start; if that is missed and its
+        rounds do not move, learners would never hear of it. Idle fragments only:
+        a moving fragment is published every round anyway.
+        """
+        for p, state in self.states.items():
+            if now - self._published_at.get(p, now) >= period_s and not state.pending_learners:
+                self.publish(p, announce=True)
+
+    def publish(self, p: int, announce: bool = False) -> None:
+        """Publish fragment p's version; ``announce``: without its weights (learners
+        that hold it, nearly all, need nothing; the others fetch the snapshot)."""
+        self._published_at[p] = self.clock()
+        state = self.states[p]
+
+        def message(publication: Publication) -> GlobalFragment:
+            return GlobalFragment(
+                run_id=self.run_id,
+                fragment=p,
+                plan_hash=self.plan_hash,
+                epoch=state.epoch,
+                version=state.version,
+                change_from=state.version - 1 if publication.is_change else -1,
+                weights_crc=publication.weights_crc,
+                codec=publication.codec,
+                numel=state.numel,
+                payload=publication.payload,
+                sent_at=time.time(),
+            )
+
+        snapshot = state.snapshot
+        published = state.publication
+        if announce:
+            self.transport.announce(message(snapshot))
+            return
+        self.transport.publish(
+            message(published), snapshot=None if snapshot is published else message(snapshot)
+        )
+
+    def drain(self) -> None:
+        """Close every round that holds deltas now, without waiting for quorum or
+        grace (the learners are done): afterwards every delivered delta is merged
+        and published, and the syncer goes on serving snapshots."""
+        for p, state in self.states.items():
+            if state.pending_learners:
+                self.close_round(p)
+        self.metrics.event("drained", versions={str(p): s.version for p, s in self.states.items()})
