@@ -1,8 +1,10 @@
 """Redis Streams backend of the transport (docs/transports.md): what both sides share.
 
 The learner side is :mod:`broker.redis_learner`, the syncer side
-:mod:`broker.redis_syncer`; this module holds the keys, the frame checks, the
-connection handling and the one retry loop both sides wait in.
+:mod:`broker.redis_syncer`; both are built of the parts that write and read the
+delta streams (:mod:`broker.redis_deltas`) and the globals
+(:mod:`broker.redis_globals`). This module holds the keys, the frame checks, the
+connection handling (:class:`RedisLink`) and the one retry loop both sides wait in.
 
 Keys of one run (``{run}`` is the run id)::
 
@@ -67,7 +69,7 @@ import redis
 from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.retry import Retry
 
-from broker.transport import TransportStats
+from broker.transport import TransportError, TransportStats
 from broker.wire import Message, WireError, decode, decode_parts, encode, encode_parts
 
 log = logging.getLogger(__name__)
@@ -310,6 +312,83 @@ class Reconnect:
             )
         self.failures = 0
         self._retry_at = 0.0
+
+
+class RedisLink:
+    """One redis client, the backoff after its transient errors, and their count
+    (``errors``). ``on_failure`` runs after each transient error, for state that a
+    reply lost on the way may have made stale."""
+
+    def __init__(
+        self, client: redis.Redis, what: str, on_failure: Callable[[], None] | None = None
+    ) -> None:
+        self.client = client
+        self.reconnect = Reconnect(what)
+        self.errors = 0
+        self._on_failure = on_failure
+
+    def backing_off(self) -> bool:
+        """Whether the next request must wait for the backoff."""
+        return self.reconnect.wait_s() > 0
+
+    def failed(self, error: Exception) -> None:
+        self.errors += 1
+        if self._on_failure is not None:
+            self._on_failure()
+        self.reconnect.failed(error)
+
+    def succeeded(self) -> None:
+        self.reconnect.succeeded()
+
+    def attempt(self, action: Callable[[], object]) -> bool:
+        """Run ``action`` unless we are backing off from redis; True if it ran.
+        A transient error starts (or extends) the backoff instead of escaping."""
+        if self.backing_off():
+            return False
+        try:
+            action()
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            self.failed(e)
+            return False
+        self.succeeded()
+        return True
+
+    def retry(
+        self,
+        deadline: float,
+        attempt: Callable[[float], list[T]],
+        *,
+        before: Callable[[], None] | None = None,
+        on_error: Callable[[Exception], bool] | None = None,
+    ) -> list[T]:
+        """:func:`retry_until` on this link."""
+        return retry_until(
+            self.reconnect, deadline, attempt, self.failed, before=before, on_error=on_error
+        )
+
+    def call_within(self, timeout_s: float, action: Callable[[], T], what: str) -> T:
+        """``action()``, tried again after transient errors (with backoff) until it
+        answers; raises :class:`TransportError` ("no {what} within ...") when the
+        last try that failed ended after ``timeout_s``."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            time.sleep(min(max(0.0, deadline - time.monotonic()), self.reconnect.wait_s()))
+            try:
+                answer = action()
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                self.failed(e)
+                if time.monotonic() >= deadline:
+                    raise TransportError(f"no {what} within {timeout_s}s: {e}") from e
+                continue
+            self.succeeded()
+            return answer
+
+    def close(self) -> None:
+        self.client.close()
 
 
 def retry_until(

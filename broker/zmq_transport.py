@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +147,223 @@ class _Pending:
     attempts: int = 0
 
 
+class DeltaSender:
+    """Deltas sent to their fragments' owners and not acknowledged yet, by seq:
+    sent again every ``ack_timeout_s`` until acked or refused."""
+
+    def __init__(
+        self,
+        dealers: list[zmq.Socket[bytes]],
+        learner_id: str,
+        incarnation: int,
+        max_message_bytes: int,
+        max_unacked: int,
+        ack_timeout_s: float,
+        stats: TransportStats,
+    ) -> None:
+        self._dealers = dealers
+        self._learner_id = learner_id
+        self._incarnation = incarnation
+        self._max_message_bytes = max_message_bytes
+        self._max_unacked = max_unacked
+        self._ack_timeout_s = ack_timeout_s
+        self._stats = stats
+        self._unacked: dict[int, _Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self._unacked)
+
+    def send(self, delta: Delta) -> None:
+        if len(self._unacked) >= self._max_unacked:
+            raise Backpressure(f"{len(self._unacked)} deltas await acknowledgement")
+        pending = _Pending(
+            wire.encode_parts(delta, self._max_message_bytes),
+            delta.fragment % len(self._dealers),
+        )
+        self._unacked[delta.seq] = pending
+        self._try_send(pending, time.monotonic())
+
+    def _try_send(self, pending: _Pending, now: float) -> None:
+        try:
+            _send(self._dealers[pending.owner], pending.parts)
+        except zmq.Again:
+            return  # no syncer connected or its queue is full: retried by poll()
+        if pending.attempts:
+            self._stats.resent += 1
+        pending.attempts += 1
+        pending.last_sent = now
+        self._stats.bytes_sent += sum(len(part) for part in pending.parts)
+        self._stats.messages_sent += 1
+
+    def resend_due(self) -> None:
+        now = time.monotonic()
+        for pending in self._unacked.values():
+            if now - pending.last_sent >= self._ack_timeout_s:
+                self._try_send(pending, now)
+
+    def acked(self, ack: Ack) -> None:
+        if ack.learner_id != self._learner_id or ack.incarnation != self._incarnation:
+            self._stats.rejected["foreign_ack"] += 1
+            return
+        for seq in ack.seqs:
+            self._unacked.pop(seq, None)
+
+    def settle(self, seq: int) -> bool:
+        """Stop sending delta ``seq`` (it was refused); False if none was waiting."""
+        return self._unacked.pop(seq, None) is not None
+
+
+class SnapshotRequests:
+    """Snapshot requests to the fragments' owners, asked again with backoff until
+    an answer comes: the syncer may drop a request (rate limit, full queue) and
+    PUB may drop the newest version, after which no later message would reveal
+    the gap."""
+
+    def __init__(
+        self,
+        dealers: list[zmq.Socket[bytes]],
+        run_id: str,
+        learner_id: str,
+        stats: TransportStats,
+    ) -> None:
+        self._dealers = dealers
+        self._run_id = run_id
+        self._learner_id = learner_id
+        self._stats = stats
+        # Fragments to resync: (when to ask again, the retry interval after that).
+        self.awaiting: dict[int, tuple[float, float]] = {}
+        # While snapshot() runs: the checksums of the weights the caller holds.
+        self.held_crcs: dict[int, int] = {}
+
+    def request(self, fragments: list[int]) -> bool:
+        """Ask the owners of ``fragments`` for them; False if a request could not
+        go out (its syncer is not connected, or its queue is full)."""
+        sent = True
+        by_owner: dict[int, list[int]] = defaultdict(list)
+        for p in fragments:
+            by_owner[p % len(self._dealers)].append(p)
+        for owner, owned in by_owner.items():
+            held = [self.held_crcs[p] for p in owned if p in self.held_crcs]
+            req = SnapshotRequest(
+                run_id=self._run_id,
+                learner_id=self._learner_id,
+                fragments=owned,
+                held_crcs=held if len(held) == len(owned) else [],
+            )
+            frame = wire.encode(req)
+            try:
+                self._dealers[owner].send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                sent = False
+                continue
+            self._stats.bytes_sent += len(frame)
+        return sent
+
+    def resync(self, fragment: int) -> None:
+        """Ask for the fragment's latest global until :meth:`answered`."""
+        if fragment not in self.awaiting:
+            self.awaiting[fragment] = (0.0, _RESYNC_FIRST_RETRY_S)
+
+    def answered(self, fragment: int) -> None:
+        self.awaiting.pop(fragment, None)
+
+    def retry_due(self) -> None:
+        now = time.monotonic()
+        for p, (due, retry_s) in list(self.awaiting.items()):
+            if now < due:
+                continue
+            if self.request([p]):
+                self.awaiting[p] = (now + retry_s, min(2 * retry_s, _RESYNC_MAX_RETRY_S))
+            else:
+                self.awaiting[p] = (now + _UNSENT_RETRY_S, retry_s)
+
+
+class Candidates:
+    """Globals received and not yet handed to the learner, oldest first per
+    fragment; a skipped version (a gap) asks ``resync`` for the latest."""
+
+    def __init__(
+        self,
+        run_id: str,
+        num_fragments: int,
+        stats: TransportStats,
+        versions: dict[int, tuple[int, int]],
+        is_new: Callable[[GlobalFragment], bool],
+        resync: Callable[[int], None],
+    ) -> None:
+        self._run_id = run_id
+        self._num_fragments = num_fragments
+        self._stats = stats
+        self._versions = versions  # the accepted ones: the transport's, shared
+        self._is_new = is_new
+        self._resync = resync
+        self.gaps = 0
+        self._ready: dict[int, list[GlobalFragment]] = {}
+
+    def _ours(self, g: GlobalFragment) -> bool:
+        if g.run_id != self._run_id or g.fragment >= self._num_fragments:
+            self._stats.rejected["wrong_run" if g.run_id != self._run_id else "bad_fragment"] += 1
+            return False
+        return True
+
+    def offer(self, g: GlobalFragment) -> None:
+        """A global with weights or a change, broadcast or answering a request."""
+        if not self._ours(g) or not self._is_new(g):
+            return
+        known = self._versions.get(g.fragment)
+        ready = self._ready.setdefault(g.fragment, [])
+        if (
+            known is not None
+            and g.epoch == known[0]
+            and g.version > 1 + max([known[1]] + [r.version for r in ready if r.epoch == g.epoch])
+        ):
+            # Missed at least one version (PUB dropped it, or we were away):
+            # ask for the latest. Weights are offered too (a change the learner
+            # cannot apply, it drops).
+            self.gaps += 1
+            self._resync(g.fragment)
+        # A global of another epoch is a restarted syncer's new lineage: offered
+        # as is, whatever its version (its versions start again at 0). Nothing is
+        # recorded until the learner has validated it (accepted()); every
+        # candidate is offered, so a bad one cannot hide a good one.
+        ready.append(g)
+        if len(ready) > _CANDIDATES_PER_FRAGMENT:
+            # The changes kept no longer reach back to what the learner holds.
+            del ready[:-_CANDIDATES_PER_FRAGMENT]
+            self._resync(g.fragment)
+
+    def announced(self, g: GlobalFragment) -> None:
+        """A version announced without weights: fetch it unless it is held."""
+        if self._ours(g) and self._is_new(g):
+            self._resync(g.fragment)
+
+    def take_all(self) -> list[GlobalFragment]:
+        ready = sorted((g for queued in self._ready.values() for g in queued), key=candidate_order)
+        self._ready.clear()
+        return ready
+
+    def take_weights(self, fragments: set[int]) -> dict[int, GlobalFragment]:
+        """The newest candidate with weights of each of ``fragments`` that has one,
+        for a joiner: a change (broadcast meanwhile) needs a base the joiner does
+        not have yet. Later changes stay for :meth:`take_all`."""
+        got: dict[int, GlobalFragment] = {}
+        for p in fragments & self._ready.keys():
+            whole = [g for g in self._ready[p] if not g.is_change]
+            if whole:
+                got[p] = max(whole, key=candidate_order)
+                self._ready[p] = [
+                    g for g in self._ready[p]
+                    if g.is_change and candidate_order(g) > candidate_order(got[p])
+                ]  # fmt: skip
+        return got
+
+
 class ZmqLearnerTransport(LearnerTransport):
+    """Learner side: a DEALER and a SUB per syncer. Deltas go through a
+    :class:`DeltaSender`, globals are collected as :class:`Candidates`, snapshots
+    are asked for by :class:`SnapshotRequests`; this class owns the sockets and
+    hands each inbound message to its part."""
+
     def __init__(
         self,
         endpoints: list[str] | tuple[str, ...],
@@ -176,7 +392,6 @@ class ZmqLearnerTransport(LearnerTransport):
         self.max_unacked = max_unacked
         self.ack_timeout_s = ack_timeout_s
         super().__init__()
-        self.gaps = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._dealers: list[zmq.Socket[bytes]] = []
         self._subs: list[zmq.Socket[bytes]] = []
@@ -197,43 +412,40 @@ class ZmqLearnerTransport(LearnerTransport):
             self._poller.register(sub, zmq.POLLIN)
             self._dealers.append(dealer)
             self._subs.append(sub)
-        self._unacked: dict[int, _Pending] = {}
-        # Candidates not yet returned by poll(), oldest first, per fragment.
-        self._ready: dict[int, list[GlobalFragment]] = {}
-        # Fragments to resync: (when to ask again, the retry interval after that).
-        self._awaiting: dict[int, tuple[float, float]] = {}
+        self._deltas = DeltaSender(
+            self._dealers,
+            learner_id,
+            incarnation,
+            max_message_bytes,
+            max_unacked,
+            ack_timeout_s,
+            self.stats,
+        )
+        self._requests = SnapshotRequests(self._dealers, run_id, learner_id, self.stats)
+        self._candidates = Candidates(
+            run_id, num_fragments, self.stats, self._versions, self._is_new,
+            self._requests.resync,
+        )  # fmt: skip
         self._grants: dict[str, int] = {}  # holder -> slot, from the syncer's last answer
-        # While snapshot() runs: the weights the caller holds, and their checksums.
+        # While snapshot() runs: the weights the caller holds.
         self._held: Mapping[int, Any] = {}
-        self._held_crcs: dict[int, int] = {}
-
-    def _owner(self, fragment: int) -> int:
-        return fragment % len(self._dealers)
 
     @property
     def unacked(self) -> int:
-        return len(self._unacked)
+        return len(self._deltas)
+
+    @property
+    def gaps(self) -> int:
+        """Versions found skipped (PUB dropped them, or we were away)."""
+        return self._candidates.gaps
+
+    @property
+    def _awaiting(self) -> dict[int, tuple[float, float]]:
+        """Fragments being resynced: (when to ask again, the retry interval after that)."""
+        return self._requests.awaiting
 
     def send_delta(self, delta: Delta) -> None:
-        if len(self._unacked) >= self.max_unacked:
-            raise Backpressure(f"{len(self._unacked)} deltas await acknowledgement")
-        pending = _Pending(
-            wire.encode_parts(delta, self.max_message_bytes), self._owner(delta.fragment)
-        )
-        self._unacked[delta.seq] = pending
-        self._try_send(pending, time.monotonic())
-
-    def _try_send(self, pending: _Pending, now: float) -> None:
-        try:
-            _send(self._dealers[pending.owner], pending.parts)
-        except zmq.Again:
-            return  # no syncer connected or its queue is full: retried by poll()
-        if pending.attempts:
-            self.stats.resent += 1
-        pending.attempts += 1
-        pending.last_sent = now
-        self.stats.bytes_sent += sum(len(part) for part in pending.parts)
-        self.stats.messages_sent += 1
+        self._deltas.send(delta)
 
     def send_heartbeat(self, heartbeat: Heartbeat) -> None:
         frame = wire.encode(heartbeat)
@@ -245,103 +457,20 @@ class ZmqLearnerTransport(LearnerTransport):
             self.stats.bytes_sent += len(frame)
             self.stats.messages_sent += 1
 
-    def _request_snapshot(self, fragments: list[int]) -> bool:
-        """Ask the owners of ``fragments`` for them; False if a request could not
-        go out (its syncer is not connected, or its queue is full)."""
-        sent = True
-        by_owner: dict[int, list[int]] = defaultdict(list)
-        for p in fragments:
-            by_owner[self._owner(p)].append(p)
-        for owner, owned in by_owner.items():
-            held = [self._held_crcs[p] for p in owned if p in self._held_crcs]
-            req = SnapshotRequest(
-                run_id=self.run_id,
-                learner_id=self.learner_id,
-                fragments=owned,
-                held_crcs=held if len(held) == len(owned) else [],
-            )
-            frame = wire.encode(req)
-            try:
-                self._dealers[owner].send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                sent = False
-                continue
-            self.stats.bytes_sent += len(frame)
-        return sent
-
-    def _resync(self, fragment: int) -> None:
-        """Ask for the fragment's latest global until an answer comes: the syncer
-        may drop a request (rate limit, full queue) and PUB may drop the newest
-        version, after which no later message would reveal the gap."""
-        if fragment not in self._awaiting:
-            self._awaiting[fragment] = (0.0, _RESYNC_FIRST_RETRY_S)
-
     def resync(self, fragment: int) -> None:
         if 0 <= fragment < self.num_fragments:
-            self._resync(fragment)
-
-    def _retry_resyncs(self) -> None:
-        now = time.monotonic()
-        for p, (due, retry_s) in list(self._awaiting.items()):
-            if now < due:
-                continue
-            if self._request_snapshot([p]):
-                self._awaiting[p] = (now + retry_s, min(2 * retry_s, _RESYNC_MAX_RETRY_S))
-            else:
-                self._awaiting[p] = (now + _UNSENT_RETRY_S, retry_s)
-
-    def _handle_global(self, g: GlobalFragment) -> None:
-        if g.run_id != self.run_id or g.fragment >= self.num_fragments:
-            self.stats.rejected["wrong_run" if g.run_id != self.run_id else "bad_fragment"] += 1
-            return
-        if not self._is_new(g):
-            return
-        known = self._versions.get(g.fragment)
-        ready = self._ready.setdefault(g.fragment, [])
-        if (
-            known is not None
-            and g.epoch == known[0]
-            and g.version > 1 + max([known[1]] + [r.version for r in ready if r.epoch == g.epoch])
-        ):
-            # Missed at least one version (PUB dropped it, or we were away):
-            # ask for the latest. Weights are offered too (a change the learner
-            # cannot apply, it drops).
-            self.gaps += 1
-            self._resync(g.fragment)
-        # A global of another epoch is a restarted syncer's new lineage: offered
-        # as is, whatever its version (its versions start again at 0). Nothing is
-        # recorded until the learner has validated it (accepted()); every
-        # candidate is offered, so a bad one cannot hide a good one.
-        ready.append(g)
-        if len(ready) > _CANDIDATES_PER_FRAGMENT:
-            # The changes kept no longer reach back to what the learner holds.
-            del ready[:-_CANDIDATES_PER_FRAGMENT]
-            self._resync(g.fragment)
-
-    def _handle_announcement(self, g: GlobalFragment) -> None:
-        """A version announced without weights: fetch it unless it is held."""
-        if g.run_id != self.run_id or g.fragment >= self.num_fragments:
-            self.stats.rejected["wrong_run" if g.run_id != self.run_id else "bad_fragment"] += 1
-        elif self._is_new(g):
-            self._resync(g.fragment)
+            self._requests.resync(fragment)
 
     def _handle_refusal(self, refusal: Refusal) -> None:
         if refusal.learner_id != self.learner_id or refusal.incarnation != self.incarnation:
             self.stats.rejected["foreign_refusal"] += 1
             return
-        if self._unacked.pop(refusal.seq, None) is None:
+        if not self._deltas.settle(refusal.seq):
             return  # already handled (a refusal of a resent delta)
         self.stats.refused[refusal.reason] += 1
         if refusal.fragment < self.num_fragments:
             self._refused(refusal.fragment)
-            self._resync(refusal.fragment)
-
-    def _handle_ack(self, ack: Ack) -> None:
-        if ack.learner_id != self.learner_id or ack.incarnation != self.incarnation:
-            self.stats.rejected["foreign_ack"] += 1
-            return
-        for seq in ack.seqs:
-            self._unacked.pop(seq, None)
+            self._requests.resync(refusal.fragment)
 
     def _drain(self, timeout_s: float) -> None:
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
@@ -357,7 +486,7 @@ class ZmqLearnerTransport(LearnerTransport):
                 msg = _decode(frames, self.max_message_bytes, self.stats)
                 if isinstance(msg, GlobalFragment):
                     if msg.is_weightless and sock in self._subs:
-                        self._handle_announcement(msg)
+                        self._candidates.announced(msg)
                         continue
                     if msg.is_weightless:
                         # An answer to our snapshot() naming these weights; one
@@ -366,10 +495,10 @@ class ZmqLearnerTransport(LearnerTransport):
                             continue
                         msg = msg.with_weights(self._held[msg.fragment])
                     if sock in self._dealers:  # a snapshot answer: the resync is done
-                        self._awaiting.pop(msg.fragment, None)
-                    self._handle_global(msg)
+                        self._requests.answered(msg.fragment)
+                    self._candidates.offer(msg)
                 elif isinstance(msg, Ack):
-                    self._handle_ack(msg)
+                    self._deltas.acked(msg)
                 elif isinstance(msg, LeaseGrant) and msg.run_id == self.run_id:
                     self._grants[msg.holder] = msg.slot
                 elif isinstance(msg, Refusal):
@@ -377,29 +506,21 @@ class ZmqLearnerTransport(LearnerTransport):
                 elif msg is not None:
                     self.stats.rejected["unexpected_kind"] += 1
 
-    def _resend_due(self) -> None:
-        now = time.monotonic()
-        for pending in self._unacked.values():
-            if now - pending.last_sent >= self.ack_timeout_s:
-                self._try_send(pending, now)
-
     def poll(self, timeout_s: float) -> list[GlobalFragment]:
         self._drain(timeout_s)
-        self._resend_due()
-        self._retry_resyncs()
-        ready = sorted((g for queued in self._ready.values() for g in queued), key=candidate_order)
-        self._ready.clear()
-        return ready
+        self._deltas.resend_due()
+        self._requests.retry_due()
+        return self._candidates.take_all()
 
     def snapshot(
         self, fragments: list[int], timeout_s: float, held: Mapping[int, Any] | None = None
     ) -> dict[int, GlobalFragment]:
         self._held = {p: w for p, w in (held or {}).items() if p in fragments}
-        self._held_crcs = {p: wire.weights_checksum(w) for p, w in self._held.items()}
+        self._requests.held_crcs = {p: wire.weights_checksum(w) for p, w in self._held.items()}
         try:
             return self._snapshot(fragments, timeout_s)
         finally:
-            self._held, self._held_crcs = {}, {}
+            self._held, self._requests.held_crcs = {}, {}
 
     def _snapshot(self, fragments: list[int], timeout_s: float) -> dict[int, GlobalFragment]:
         wanted = set(fragments)
@@ -416,25 +537,16 @@ class ZmqLearnerTransport(LearnerTransport):
             if now >= deadline:
                 break
             if now >= next_request:
-                if self._request_snapshot(sorted(wanted - got.keys())):
+                if self._requests.request(sorted(wanted - got.keys())):
                     next_request = now + retry_s
                     # At most 2 s apart: a syncer that starts after its learners is found soon.
                     retry_s = min(retry_s * 2, _JOIN_MAX_RETRY_S)
                 else:
                     next_request = now + _UNSENT_RETRY_S
             self._drain(min(0.05, max(0.0, next_request - time.monotonic()), deadline - now))
-            self._resend_due()
+            self._deltas.resend_due()
             before = len(got)
-            for p in wanted & self._ready.keys():
-                # Weights only: a change (broadcast meanwhile) needs a base the
-                # joiner does not have yet. Later changes stay for poll().
-                whole = [g for g in self._ready[p] if not g.is_change]
-                if whole:
-                    got[p] = max(whole, key=candidate_order)
-                    self._ready[p] = [
-                        g for g in self._ready[p]
-                        if g.is_change and candidate_order(g) > candidate_order(got[p])
-                    ]  # fmt: skip
+            got.update(self._candidates.take_weights(wanted))
             if len(got) > before:
                 # Answers are arriving: on a slow link the rest are on their way
                 # behind them, and asking again would send them twice.
@@ -464,14 +576,107 @@ class ZmqLearnerTransport(LearnerTransport):
                     next_request = now + retry_s
                     retry_s = min(retry_s * 2, 4.0)
             self._drain(min(0.05, max(0.0, next_request - time.monotonic()), deadline - now))
-            self._resend_due()
+            self._deltas.resend_due()
         return self._grants.pop(holder)
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)
 
 
+class SlotLeases:
+    """Learner slots, held by the first syncer: the rule of
+    ``LearnerTransport.lease`` by this process's clock. In memory only: for half
+    a lease period after a start it grants only the slots holders say they hold."""
+
+    def __init__(self, stats: TransportStats) -> None:
+        self._stats = stats
+        self._leases: dict[int, tuple[str, float]] = {}  # slot -> (holder, expiry)
+        self._started = time.monotonic()
+
+    def grant(self, req: LeaseRequest) -> int | None:
+        """The slot ``req`` gets, or None when it gets none now (it asks again)."""
+        if not lease_request_ok(req.ttl_s, req.held_slot):
+            self._stats.rejected["bad_lease"] += 1
+            return None
+        now = time.monotonic()
+        mine = [s for s, (holder, _) in self._leases.items() if holder == req.holder]
+        taken = {s for s, (holder, expiry) in self._leases.items() if expiry > now} - set(mine)
+        if mine:
+            slot = min(mine)
+        elif req.held_slot >= 0 and req.held_slot not in taken:
+            slot = req.held_slot
+        elif now - self._started < req.ttl_s / 2:
+            # Just started: leases granted before may still run. Their holders
+            # renew within a third of the lease, so they reclaim their slots
+            # first, and a newcomer asks again.
+            return None
+        else:
+            slot = next(s for s in range(len(taken) + 1) if s not in taken)
+            if slot >= MAX_LEARNER_SLOTS:
+                self._stats.rejected["no_free_slot"] += 1
+                return None
+        self._leases[slot] = (req.holder, now + req.ttl_s)
+        return slot
+
+
+class LatestGlobals:
+    """The newest global of each fragment, encoded, for snapshot requests."""
+
+    def __init__(self, snapshot_interval_s: float, stats: TransportStats) -> None:
+        self._interval_s = snapshot_interval_s
+        self._stats = stats
+        self._latest: dict[int, Parts] = {}  # with weights
+        # Per fragment: the newest version's weights checksum, and its answer to
+        # a learner that holds those weights.
+        self._weightless: dict[int, tuple[int, Parts]] = {}
+        self._stamp: dict[int, tuple[int, int]] = {}  # (epoch, version) per fragment
+        # When each (peer, fragment) was last answered, and with which version: a
+        # snapshot is a whole fragment, so a peer gets each version at most once
+        # per snapshot_interval_s.
+        self._answered: dict[tuple[bytes, int], tuple[float, tuple[int, int]]] = {}
+
+    def store(self, fragment: GlobalFragment, whole: Parts, weightless: Parts) -> None:
+        """``fragment`` is the newest: ``whole`` its snapshot, ``weightless`` the
+        same without the weights."""
+        self._latest[fragment.fragment] = whole
+        self._weightless[fragment.fragment] = (fragment.weights_crc, weightless)
+        self._stamp[fragment.fragment] = (fragment.epoch, fragment.version)
+
+    def answers(self, identity: bytes, req: SnapshotRequest) -> list[Parts]:
+        """Each owned fragment asked for, once, and its version not again to the same
+        peer within ``snapshot_interval_s`` (learners retry with backoff from 0.5 s):
+        a request listing one fragment thousands of times, or a flood of requests,
+        costs one fragment per peer, version and interval, not memory without bound.
+        A newer version is answered at once: a learner that missed a change right
+        after it joined (its subscription was not live yet) must not train on a
+        base that goes stale while it waits out the interval."""
+        asked = set(req.fragments) if req.fragments else set(self._latest)
+        if len(asked) < len(req.fragments):
+            self._stats.rejected["snapshot_duplicate"] += len(req.fragments) - len(asked)
+        now = time.monotonic()
+        if len(self._answered) > 16 * 1024:  # forget answers older than the interval
+            self._answered = {
+                k: last for k, last in self._answered.items() if now - last[0] < self._interval_s
+            }
+        held = dict(zip(req.fragments, req.held_crcs, strict=False))
+        out: list[Parts] = []
+        for p in sorted(asked & self._latest.keys()):
+            stamp = self._stamp[p]
+            last = self._answered.get((identity, p))
+            if last is not None and now - last[0] < self._interval_s and last[1] == stamp:
+                self._stats.rate_limited += 1
+                continue
+            self._answered[(identity, p)] = (now, stamp)
+            crc, weightless = self._weightless[p]
+            out.append(weightless if held.get(p) == crc else self._latest[p])
+        return out
+
+
 class ZmqSyncerTransport(SyncerTransport):
+    """Syncer side: a ROUTER for deltas, heartbeats and requests, a PUB for
+    globals. Snapshot requests are answered from :class:`LatestGlobals`, lease
+    requests from :class:`SlotLeases`."""
+
     def __init__(
         self,
         bind: str,
@@ -504,17 +709,8 @@ class ZmqSyncerTransport(SyncerTransport):
         self._pub = _socket(self._ctx, zmq.PUB, max_message_bytes)
         self._pub.setsockopt(zmq.SNDHWM, send_hwm)
         self._pub.bind(pub_endpoint(bind))
-        self._latest: dict[int, Parts] = {}  # encoded newest global per fragment
-        # Per fragment: the newest version's weights checksum, and its answer to
-        # a learner that holds those weights.
-        self._latest_weightless: dict[int, tuple[int, Parts]] = {}
-        self._leases: dict[int, tuple[str, float]] = {}  # slot -> (holder, expiry)
-        self._started = time.monotonic()
-        self._latest_stamp: dict[int, tuple[int, int]] = {}  # (epoch, version) per fragment
-        # When each (peer, fragment) was last answered, and with which version: a
-        # snapshot is a whole fragment, so a peer gets each version at most once
-        # per snapshot_interval_s.
-        self._answered: dict[tuple[bytes, int], tuple[float, tuple[int, int]]] = {}
+        self._latest = LatestGlobals(snapshot_interval_s, self.stats)
+        self._leases = SlotLeases(self.stats)
 
     def receive(self, timeout_s: float) -> list[Inbound]:
         out: list[Inbound] = []
@@ -542,7 +738,8 @@ class ZmqSyncerTransport(SyncerTransport):
             elif isinstance(msg, Heartbeat):
                 out.append(Inbound(msg))
             elif isinstance(msg, SnapshotRequest):
-                self._answer_snapshot(identity, msg)
+                for answer in self._latest.answers(identity, msg):
+                    self._send_to(identity, answer)
             elif isinstance(msg, LeaseRequest):
                 self._answer_lease(identity, msg)
             else:
@@ -557,60 +754,11 @@ class ZmqSyncerTransport(SyncerTransport):
         self.stats.bytes_sent += sum(len(part) for part in parts)
         self.stats.messages_sent += 1
 
-    def _answer_snapshot(self, identity: bytes, req: SnapshotRequest) -> None:
-        """Each owned fragment asked for, once, and its version not again to the same
-        peer within ``snapshot_interval_s`` (learners retry with backoff from 0.5 s):
-        a request listing one fragment thousands of times, or a flood of requests,
-        costs one fragment per peer, version and interval, not memory without bound.
-        A newer version is answered at once: a learner that missed a change right
-        after it joined (its subscription was not live yet) must not train on a
-        base that goes stale while it waits out the interval."""
-        asked = set(req.fragments) if req.fragments else set(self._latest)
-        if len(asked) < len(req.fragments):
-            self.stats.rejected["snapshot_duplicate"] += len(req.fragments) - len(asked)
-        now = time.monotonic()
-        if len(self._answered) > 16 * 1024:  # forget answers older than the interval
-            self._answered = {
-                k: last
-                for k, last in self._answered.items()
-                if now - last[0] < self.snapshot_interval_s
-            }
-        held = dict(zip(req.fragments, req.held_crcs, strict=False))
-        for p in sorted(asked & self._latest.keys()):
-            stamp = self._latest_stamp[p]
-            last = self._answered.get((identity, p))
-            if last is not None and now - last[0] < self.snapshot_interval_s and last[1] == stamp:
-                self.stats.rate_limited += 1
-                continue
-            self._answered[(identity, p)] = (now, stamp)
-            crc, weightless = self._latest_weightless[p]
-            self._send_to(identity, weightless if held.get(p) == crc else self._latest[p])
-
     def _answer_lease(self, identity: bytes, req: LeaseRequest) -> None:
-        """The rule of ``LearnerTransport.lease``, by this process's clock."""
-        if not lease_request_ok(req.ttl_s, req.held_slot):
-            self.stats.rejected["bad_lease"] += 1
-            return
-        now = time.monotonic()
-        mine = [s for s, (holder, _) in self._leases.items() if holder == req.holder]
-        taken = {s for s, (holder, expiry) in self._leases.items() if expiry > now} - set(mine)
-        if mine:
-            slot = min(mine)
-        elif req.held_slot >= 0 and req.held_slot not in taken:
-            slot = req.held_slot
-        elif now - self._started < req.ttl_s / 2:
-            # Just started: leases granted before may still run. Their holders
-            # renew within a third of the lease, so they reclaim their slots
-            # first, and a newcomer asks again.
-            return
-        else:
-            slot = next(s for s in range(len(taken) + 1) if s not in taken)
-            if slot >= MAX_LEARNER_SLOTS:
-                self.stats.rejected["no_free_slot"] += 1
-                return
-        self._leases[slot] = (req.holder, now + req.ttl_s)
-        grant = LeaseGrant(run_id=self.run_id, holder=req.holder, slot=slot)
-        self._send_to(identity, (wire.encode(grant),))
+        slot = self._leases.grant(req)
+        if slot is not None:
+            grant = LeaseGrant(run_id=self.run_id, holder=req.holder, slot=slot)
+            self._send_to(identity, (wire.encode(grant),))
 
     def ack(self, items: list[Inbound]) -> None:
         seqs: dict[tuple[bytes, str, int], list[int]] = defaultdict(list)
@@ -640,12 +788,11 @@ class ZmqSyncerTransport(SyncerTransport):
 
     def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
         parts = wire.encode_parts(fragment, self.max_message_bytes)
-        self._latest[fragment.fragment] = (
-            parts if snapshot is None else wire.encode_parts(snapshot, self.max_message_bytes)
+        self._latest.store(
+            fragment,
+            parts if snapshot is None else wire.encode_parts(snapshot, self.max_message_bytes),
+            wire.encode_parts(fragment.without_weights(), self.max_message_bytes),
         )
-        weightless = wire.encode_parts(fragment.without_weights(), self.max_message_bytes)
-        self._latest_weightless[fragment.fragment] = (fragment.weights_crc, weightless)
-        self._latest_stamp[fragment.fragment] = (fragment.epoch, fragment.version)
         self._broadcast(parts)
 
     def announce(self, fragment: GlobalFragment) -> None:

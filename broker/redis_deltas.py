@@ -1,0 +1,468 @@
+"""The delta streams of the Redis Streams transport (docs/transports.md): written
+by learners, read and trimmed by syncers.
+
+A learner's :class:`DeltaQueue` XADDs its deltas in order, bounding the stream
+(``BOUNDED_XADD``), and keeps each until redis replied. A syncer's
+:class:`DeltaReader` is one consumer of the group on the delta streams of the
+fragments a syncer owns: it re-reads its own pending entries, takes over those
+a dead consumer left (XAUTOCLAIM after ``claim_idle_s``), reads new ones with
+XREADGROUP and XACKs what the caller acks. :class:`DeltaTrimmer` trims the
+streams below what any group still needs and reports the entries the learners'
+stream bound dropped unread. The syncer's parts raise redis's errors: the
+transport (:mod:`broker.redis_syncer`) retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis
+from redis.typing import KeyT, StreamIdT
+
+from broker.redis_common import (
+    BOUNDED_XADD,
+    GROUP,
+    PART_FIELDS,
+    Entries,
+    RedisLink,
+    check_entry,
+    delta_stream_key,
+    encode_parts_bounded,
+    is_transient,
+    parse_id,
+    read_block_ms,
+    sleep_tail,
+    to_str,
+    trimmed_key,
+)
+from broker.transport import Backpressure, Inbound, TransportStats
+from broker.wire import Delta
+
+log = logging.getLogger(__name__)
+
+_DELTAS_READ_COUNT = 64  # per stream and call
+_TRIM_INTERVAL_S = 1.0
+
+Token = tuple[str, str]  # (stream, entry id): what a delta's Inbound carries to ack it
+
+
+@dataclass
+class _QueuedDelta:
+    stream: str
+    trimmed_key: str
+    parts: tuple[bytes, bytes, bytes]  # wire.encode_parts: the payload is the caller's
+    failed_attempts: int = 0
+
+
+class DeltaQueue:
+    """A learner's deltas until redis replied to their XADD, oldest first: sent in
+    order, kept across transient errors, at most ``max_unacked`` of them."""
+
+    def __init__(
+        self,
+        link: RedisLink,
+        run_id: str,
+        learner_id: str,
+        num_fragments: int,
+        max_message_bytes: int,
+        max_unacked: int,
+        delta_stream_maxlen: int,
+        stats: TransportStats,
+    ) -> None:
+        self._link = link
+        self._run_id = run_id
+        self._learner_id = learner_id
+        self._num_fragments = num_fragments
+        self._max_message_bytes = max_message_bytes
+        self._max_unacked = max_unacked
+        self._maxlen = delta_stream_maxlen
+        self._stats = stats
+        self._bounded_xadd = link.client.register_script(BOUNDED_XADD)
+        self._queue: deque[_QueuedDelta] = deque()
+        self.trimmed_unread = 0  # deltas of ours (or others') the stream bound dropped unread
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def send(self, delta: Delta) -> None:
+        """Queue ``delta`` and send what is queued; raises :class:`Backpressure`
+        when ``max_unacked`` deltas still wait after a try to send them."""
+        if delta.run_id != self._run_id:
+            raise ValueError(f"delta of run {delta.run_id!r} sent on run {self._run_id!r}")
+        if not 0 <= delta.fragment < self._num_fragments:
+            raise ValueError(f"fragment {delta.fragment} outside [0, {self._num_fragments})")
+        if len(self._queue) >= self._max_unacked:
+            self.send_queued()
+            if len(self._queue) >= self._max_unacked:
+                raise Backpressure(f"{len(self._queue)} deltas wait for redis")
+        self._queue.append(
+            _QueuedDelta(
+                delta_stream_key(self._run_id, delta.fragment),
+                trimmed_key(self._run_id, delta.fragment),
+                encode_parts_bounded(delta, self._max_message_bytes),
+            )
+        )
+        self.send_queued()
+
+    def send_queued(self) -> None:
+        """XADD queued deltas in order until the queue is empty or redis fails."""
+        while self._queue and not self._link.backing_off():
+            item = self._queue[0]
+            try:
+                lost = int(
+                    self._bounded_xadd(
+                        keys=[item.stream, item.trimmed_key],
+                        args=[self._maxlen, GROUP, *self._entry(item.parts)],
+                    )
+                )
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                item.failed_attempts += 1
+                self._link.failed(e)
+                return
+            self._link.succeeded()
+            self._queue.popleft()
+            if lost:
+                self.trimmed_unread += lost
+                log.error(
+                    "learner %s: %s is at its bound of %d entries with the syncer behind: "
+                    "dropped %d unread deltas (raise delta_stream_maxlen or restart the syncer)",
+                    self._learner_id,
+                    item.stream,
+                    self._maxlen,
+                    lost,
+                )
+            self._stats.bytes_sent += sum(len(part) for part in item.parts)
+            self._stats.messages_sent += 1
+            if item.failed_attempts:
+                self._stats.resent += 1
+
+    @staticmethod
+    def _entry(parts: tuple[bytes, bytes, bytes]) -> list[bytes]:
+        """A delta entry's fields and values, as XADD takes them."""
+        return [v for pair in zip(PART_FIELDS, parts, strict=True) for v in pair]
+
+
+class DeltaReader:
+    """Consumer ``consumer`` of ``group`` on the delta streams in ``fragment_of``
+    (stream key -> fragment); hands each entry out once until it is acked."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        consumer: str,
+        group: str,
+        fragment_of: dict[str, int],
+        claim_idle_s: float,
+        max_message_bytes: int,
+        stats: TransportStats,
+    ) -> None:
+        self._client = client
+        self._run_id = run_id
+        self._consumer = consumer
+        self._group = group
+        self._fragment_of = fragment_of
+        self._claim_idle_s = claim_idle_s
+        self._max_message_bytes = max_message_bytes
+        self._stats = stats
+        self._groups_ready = False
+        # Own pending entries still to re-read, per stream: the id to read after,
+        # None once done. Reset after every transient error: a reply lost on the
+        # way may have left entries delivered to us that we never saw.
+        self._pending_after: dict[str, str | None] = {}
+        self.reset_pending()
+        # Handed to the caller and not acked yet: never hand them out twice.
+        self._outstanding: set[Token] = set()
+        # Accepted during the current read; outstanding once the transport returns
+        # them (if it fails instead, the PEL re-read delivers them again).
+        self._handing_out: set[Token] = set()
+        # Rejected entries to XACK with the next receive() or ack().
+        self._rejected_unacked: set[Token] = set()
+        self._claim_interval_s = min(max(claim_idle_s / 2, 0.1), 5.0)
+        self._claim_cursor: dict[str, str] = {}
+        self._next_claim_at = 0.0
+
+    def ensure_groups(self) -> None:
+        """Create the group on every stream (and the streams) unless done."""
+        if self._groups_ready:
+            return
+        for stream in self._fragment_of:
+            try:
+                self._client.xgroup_create(stream, self._group, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+        self._groups_ready = True
+
+    def reset_pending(self) -> None:
+        """Re-read our own pending entries from the start with the next read."""
+        self._pending_after = dict.fromkeys(self._fragment_of, "0-0")
+
+    def lost_group(self, error: Exception) -> bool:
+        """True for NOGROUP: the streams or the group vanished (e.g. redis lost its
+        data). The next attempt, which may go at once, recreates them."""
+        if not (isinstance(error, redis.ResponseError) and str(error).startswith("NOGROUP")):
+            return False
+        log.warning("syncer %s: %s; recreating the consumer group", self._consumer, error)
+        self._groups_ready = False
+        self.reset_pending()
+        return True
+
+    def begin(self) -> None:
+        """Start a read: what an attempt that failed accepted is not held."""
+        self._handing_out = set()
+
+    def hand_out(self) -> None:
+        """The read's deltas are the caller's now: not handed out again until acked."""
+        self._outstanding |= self._handing_out
+
+    def read_new(self, deadline: float, max_block_s: float) -> list[Inbound]:
+        """Entries never delivered to the group, waiting up to ``deadline``."""
+        block_ms = read_block_ms(deadline, max_block_s)
+        streams: dict[KeyT, StreamIdT] = dict.fromkeys(self._fragment_of, ">")
+        reply = cast(
+            list[tuple[bytes, Entries]],
+            self._client.xreadgroup(
+                self._group,
+                self._consumer,
+                streams,
+                count=_DELTAS_READ_COUNT,
+                block=block_ms,
+            ),
+        )
+        items: list[Inbound] = []
+        for stream, entries in reply or []:
+            items += self._accept(to_str(stream), entries)
+        if not reply and block_ms is None:
+            sleep_tail(deadline)
+        return items
+
+    def read_own_pending(self) -> list[Inbound]:
+        """Entries delivered to this consumer name and never acked (by an earlier
+        process of the same name, or before a lost reply), oldest first."""
+        todo = {s: after for s, after in self._pending_after.items() if after is not None}
+        if not todo:
+            return []
+        streams: dict[KeyT, StreamIdT] = {s: after for s, after in todo.items()}
+        reply = cast(
+            list[tuple[bytes, Entries]],
+            self._client.xreadgroup(
+                self._group,
+                self._consumer,
+                streams,
+                count=_DELTAS_READ_COUNT,
+            ),
+        )
+        items: list[Inbound] = []
+        replied = {to_str(stream): entries for stream, entries in reply or []}
+        for stream in todo:
+            entries = replied.get(stream, [])
+            if not entries:
+                self._pending_after[stream] = None
+                continue
+            self._pending_after[stream] = to_str(entries[-1][0])
+            items += self._accept(stream, entries)
+        return items
+
+    def claim_abandoned(self) -> list[Inbound]:
+        """XAUTOCLAIM entries idle for ``claim_idle_s`` (left by dead consumers),
+        one page per stream and call until every stream's scan is complete."""
+        if time.monotonic() < self._next_claim_at:
+            return []
+        items: list[Inbound] = []
+        for stream in self._fragment_of:
+            cursor = self._claim_cursor.get(stream, "0-0")
+            if cursor == "done":
+                continue
+            reply = cast(
+                list[Any],
+                self._client.xautoclaim(
+                    stream,
+                    self._group,
+                    self._consumer,
+                    int(self._claim_idle_s * 1000),
+                    start_id=cursor,
+                    count=_DELTAS_READ_COUNT,
+                ),
+            )
+            next_cursor, entries = to_str(reply[0]), reply[1]
+            deleted = reply[2] if len(reply) > 2 else []  # redis >= 7 drops them from the PEL
+            self._stats.rejected["trimmed"] += len(deleted)
+            if any(entry_id is None for entry_id, _ in entries):
+                # redis < 7 claims an entry that was trimmed while pending but
+                # returns it as nil, without its id: our own PEL re-read finds it.
+                self._pending_after[stream] = "0-0"
+            # Our own entries that the caller still holds come back too once idle
+            # for claim_idle_s; they are not handed out again.
+            claimed = [
+                (i, f) for i, f in entries if i is not None and not self._held((stream, to_str(i)))
+            ]
+            if claimed:
+                log.info(
+                    "syncer %s: claimed %d abandoned entries of %s",
+                    self._consumer,
+                    len(claimed),
+                    stream,
+                )
+            items += self._accept(stream, claimed)
+            self._claim_cursor[stream] = "done" if next_cursor == "0-0" else next_cursor
+        if all(self._claim_cursor.get(s) == "done" for s in self._fragment_of):
+            self._claim_cursor.clear()
+            self._next_claim_at = time.monotonic() + self._claim_interval_s
+        return items
+
+    def _held(self, token: Token) -> bool:
+        return token in self._outstanding or token in self._handing_out
+
+    def _accept(self, stream: str, entries: Entries) -> list[Inbound]:
+        items: list[Inbound] = []
+        for raw_id, fields in entries:
+            token = (stream, to_str(raw_id))
+            if self._held(token):
+                continue
+            if not fields:  # trimmed or deleted while pending
+                self._stats.rejected["trimmed"] += 1
+                self._rejected_unacked.add(token)
+                continue
+            msg = check_entry(fields, self._max_message_bytes, self._stats)
+            if (
+                isinstance(msg, Delta)
+                and msg.run_id == self._run_id
+                and msg.fragment == self._fragment_of[stream]
+            ):
+                self._stats.messages_received += 1
+                self._handing_out.add(token)
+                items.append(Inbound(msg, token))
+                continue
+            if msg is not None:  # check_frame counted the others
+                reason = (
+                    "wrong_kind"
+                    if not isinstance(msg, Delta)
+                    else "wrong_run"
+                    if msg.run_id != self._run_id
+                    else "wrong_fragment"
+                )
+                self._stats.rejected[reason] += 1
+            self._rejected_unacked.add(token)  # it can never become valid: ack it
+        return items
+
+    def settled(self, tokens: list[Token]) -> None:
+        """The caller is done with ``tokens`` (acked or refused them)."""
+        self._outstanding.difference_update(tokens)
+
+    def xack(self, tokens: list[Token]) -> set[str]:
+        """XACK ``tokens`` and the rejected entries waiting for it; the streams acked in."""
+        rejected = list(self._rejected_unacked)
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in tokens + rejected:
+            by_stream.setdefault(stream, []).append(entry_id)
+        if not by_stream:
+            return set()
+        pipe = self._client.pipeline(transaction=False)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, self._group, *ids)
+        pipe.execute()
+        self._rejected_unacked.difference_update(rejected)
+        return set(by_stream)
+
+
+class DeltaTrimmer:
+    """Trims the delta streams acked into, and takes the counts of entries the
+    learners' stream bound dropped unread (``BOUNDED_XADD``)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        consumer: str,
+        group: str,
+        fragments: list[int],
+        stats: TransportStats,
+    ) -> None:
+        self._client = client
+        self._run_id = run_id
+        self._consumer = consumer
+        self._group = group
+        self._fragments = fragments
+        self._stats = stats
+        self._waiting: set[str] = set()
+        self._next_trim_at: dict[str, float] = {}
+        self._next_trimmed_check_at = 0.0
+
+    def acked_in(self, streams: set[str]) -> None:
+        """Entries of ``streams`` were acked: trim them when next due."""
+        self._waiting.update(streams)
+
+    def trim_due(self) -> None:
+        """XTRIM MINID each acked-into stream (at most every second) below every
+        entry that some group still has pending or has not delivered yet."""
+        now = time.monotonic()
+        due = [s for s in self._waiting if now >= self._next_trim_at.get(s, 0.0)]
+        if not due:
+            return
+        # One atomic view of the groups: an entry below the bound is delivered
+        # and acked by every group, and nothing can make it pending again.
+        pipe = self._client.pipeline(transaction=True)
+        for stream in due:
+            pipe.xinfo_groups(stream)
+            pipe.xpending(stream, self._group)
+        replies = pipe.execute(raise_on_error=False)
+        trims = self._client.pipeline(transaction=False)
+        for i, stream in enumerate(due):
+            groups, pending = replies[2 * i], replies[2 * i + 1]
+            if isinstance(groups, Exception) or isinstance(pending, Exception):
+                # The stream or group vanished; the next read recreates them.
+                log.debug(
+                    "syncer %s: not trimming %s: %s / %s", self._consumer, stream, groups, pending
+                )
+                continue
+            bound = self._trim_bound(groups, pending)
+            if bound is not None:
+                trims.xtrim(stream, minid=bound, approximate=False)
+        trims.execute()
+        for stream in due:
+            self._waiting.discard(stream)
+            self._next_trim_at[stream] = now + _TRIM_INTERVAL_S
+
+    def _trim_bound(self, groups: list[dict[str, Any]], pending: dict[str, Any]) -> str | None:
+        bounds: list[tuple[int, int]] = []
+        for g in groups:
+            ms, seq = parse_id(g["last-delivered-id"])
+            bounds.append((ms, seq + 1))  # everything after the last delivered id is unread
+            if to_str(g["name"]) != self._group and g["pending"]:
+                return None  # another group's pending entries are unknown to us: keep all
+        if pending["pending"]:
+            bounds.append(parse_id(pending["min"]))
+        if not bounds:
+            return None
+        ms, seq = min(bounds)
+        return f"{ms}-{seq}"
+
+    def count_trimmed_unread(self) -> None:
+        """Take (GETDEL) the counts of delta entries the learners' stream bound
+        dropped unread (see ``BOUNDED_XADD``), at most every second: each loss is
+        reported once, also when it happened while no syncer ran."""
+        now = time.monotonic()
+        if now < self._next_trimmed_check_at:
+            return
+        self._next_trimmed_check_at = now + _TRIM_INTERVAL_S
+        pipe = self._client.pipeline(transaction=False)
+        for p in self._fragments:
+            pipe.getdel(trimmed_key(self._run_id, p))
+        for p, raw in zip(self._fragments, pipe.execute(), strict=True):
+            lost = int(raw or 0)
+            if lost > 0:
+                self._stats.rejected["trimmed_unread"] += lost
+                log.error(
+                    "syncer %s: %d deltas of fragment %d were dropped unread at the delta "
+                    "stream's bound (no syncer kept up); raise delta_stream_maxlen",
+                    self._consumer,
+                    lost,
+                    p,
+                )
