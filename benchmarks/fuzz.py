@@ -206,14 +206,22 @@ def fuzz(inputs: int, seed: int) -> dict[str, Any]:
             if not isinstance(msg, (Delta, Heartbeat)):
                 outcomes[f"ignored:{msg.KIND}"] += 1  # not for the syncer's event loop
                 continue
-            before = sum(syncer.metrics.rejected.values()) + syncer.metrics.duplicates + syncer.metrics.deltas_applied
+            before = (
+                sum(syncer.metrics.rejected.values())
+                + syncer.metrics.duplicates
+                + syncer.metrics.deltas_applied
+            )
             try:
                 syncer.handle([Inbound(msg, token=None)])
                 syncer.drain()  # close what the input opened: the merge runs too
             except Exception as e:
                 crashes.append({"where": "syncer", "error": repr(e), "input": data.hex()})
                 continue
-            after = sum(syncer.metrics.rejected.values()) + syncer.metrics.duplicates + syncer.metrics.deltas_applied
+            after = (
+                sum(syncer.metrics.rejected.values())
+                + syncer.metrics.duplicates
+                + syncer.metrics.deltas_applied
+            )
             outcomes["syncer:" + ("handled" if after > before else "heartbeat_or_held")] += 1
             if not all(torch.isfinite(s.weights).all() for s in syncer.states.values()):
                 crashes.append(

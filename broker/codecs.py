@@ -37,6 +37,8 @@ import lz4.frame
 import torch
 import zstandard
 
+from broker.errors import CodecError as CodecError  # re-exported: defined in broker.errors
+
 Quant = Literal["fp32", "bf16", "int8", "int4", "int2"]
 Lossless = Literal["none", "zstd", "lz4"]
 QUANTS: tuple[Quant, ...] = ("fp32", "bf16", "int8", "int4", "int2")
@@ -76,10 +78,6 @@ def apply_change(base: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
     A new tensor; ``base`` is shared with others and never written.
     """
     return torch.add(base, change)
-
-
-class CodecError(ValueError):
-    """Bytes that do not decode under the named codec, or a bad codec name."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Small validators shared by the services' config dataclasses.
 
-Each raises ``ValueError`` with a message that names the setting and says what
-to change, so a bad value fails at start, not an hour into a run.
+Each raises :class:`~broker.errors.ConfigError` (a ``ValueError``) with a
+message that names the setting and says what to change, so a bad value fails
+at start, not an hour into a run.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import math
 import re
 from collections.abc import Collection
 
+from broker.errors import ConfigError
+
 _ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
 def require(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ConfigError(message)
 
 
 def check_id(name: str, value: str) -> None:
@@ -31,7 +34,7 @@ def check_choice(name: str, value: str, choices: Collection[str]) -> None:
 
 def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}={value!r}: must be a number")
+        raise ConfigError(f"{name}={value!r}: must be a number")
     # inf passes "> 0" but is no rate, period or timeout (and NaN compares false).
     require(math.isfinite(value), f"{name}={value!r}: must be a finite number")
     ok = value >= 0 if allow_zero else value > 0

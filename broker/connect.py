@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import inspect
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+import redis.exceptions
+import zmq
+
+from broker.errors import ConfigError, TransportError
 from broker.transport import LearnerTransport, SyncerTransport
 
 SCHEMES = ("zmq", "redis", "rediss", "unix")
 _REDIS_PY_OPTIONS_WE_SET = ("socket_timeout", "socket_connect_timeout")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -58,18 +64,18 @@ def _convert(name: str, text: str, tp: Any) -> Any:
     try:
         if tp is bool:
             if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(text)
+                raise ValueError(text)  # caught just below, as int("x") would be
             return text.lower() in ("1", "true", "yes")
         return tp(text)
     except ValueError:
-        raise ValueError(f"url option {name}={text!r}: expected {tp.__name__}") from None
+        raise ConfigError(f"url option {name}={text!r}: expected {tp.__name__}") from None
 
 
 def parse_url(url: str) -> BrokerUrl:
-    """Split and check a broker URL; ``ValueError`` says what to change."""
+    """Split and check a broker URL; :class:`ConfigError` says what to change."""
     parts = urlsplit(url)
     if parts.scheme not in SCHEMES:
-        raise ValueError(
+        raise ConfigError(
             f"url={url!r}: use zmq://HOST:PORT[,HOST:PORT], redis://HOST:PORT/DB, "
             "rediss://... or unix://..."
         )
@@ -82,11 +88,11 @@ def parse_url(url: str) -> BrokerUrl:
             _convert(key, value, known[key])  # fail at start, not at connect
             ours[key] = value
         elif backend == "zmq":
-            raise ValueError(f"url={url!r}: unknown option {key!r}; known: {sorted(known)}")
+            raise ConfigError(f"url={url!r}: unknown option {key!r}; known: {sorted(known)}")
         elif key in _REDIS_PY_OPTIONS_WE_SET:
             # redis-py would let these override the backend's own timeouts, which
             # its blocking reads are sized against.
-            raise ValueError(f"url={url!r}: use socket_timeout_s instead of {key}")
+            raise ConfigError(f"url={url!r}: use socket_timeout_s instead of {key}")
         else:
             theirs.append((key, value))
     if backend == "redis":
@@ -99,11 +105,46 @@ def parse_url(url: str) -> BrokerUrl:
     for hostport in parts.netloc.split(","):
         host, sep, port = hostport.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
-            raise ValueError(f"url={url!r}: each zmq endpoint must be HOST:PORT (PORT < 65535)")
+            raise ConfigError(f"url={url!r}: each zmq endpoint must be HOST:PORT (PORT < 65535)")
         endpoints.append(f"tcp://{host}:{port}")
     if parts.path not in ("", "/"):
-        raise ValueError(f"url={url!r}: a zmq url has no path")
+        raise ConfigError(f"url={url!r}: a zmq url has no path")
     return BrokerUrl(backend, tuple(endpoints), ours)
+
+
+def _shown(url: str) -> str:
+    """The URL for an error message, its password (if any) left out."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}"
+    return parts._replace(netloc=netloc).geturl()
+
+
+def _built(url: str, side: str, build: Callable[[], _T]) -> _T:
+    """``build()``, with the transport library's errors (an address in use, a
+    server that does not answer) turned into :class:`TransportError` here, at
+    the seam, so that no caller ever handles a ZeroMQ or Redis exception."""
+    try:
+        return build()
+    except (zmq.ZMQError, redis.exceptions.RedisError) as e:
+        _destroy_half_built(e)
+        raise TransportError(f"{side} transport on {_shown(url)}: {e}") from e
+
+
+def _destroy_half_built(error: BaseException) -> None:
+    """Destroy the ZeroMQ contexts of a transport whose constructor raised: nobody
+    holds it to close it, and collecting it later can hang the collecting thread
+    in zmq_ctx_term (when a socket of the context is freed first). Redis clients
+    need nothing: their connections close when collected."""
+    tb = error.__traceback__
+    while tb is not None:
+        half_built = tb.tb_frame.f_locals.get("self")
+        if isinstance(half_built, (LearnerTransport, SyncerTransport)):
+            for value in vars(half_built).values():
+                if isinstance(value, zmq.Context):
+                    value.destroy(linger=0)
+        tb = tb.tb_next
 
 
 def _options_for(cls: type, parsed: BrokerUrl) -> dict[str, Any]:
@@ -129,8 +170,10 @@ def connect_learner(
         options.setdefault("max_message_bytes", max_message_bytes)
     # ZeroMQ talks to every syncer endpoint; Redis to one server.
     where = list(parsed.endpoints) if parsed.backend == "zmq" else parsed.endpoints[0]
-    transport: LearnerTransport = cls(
-        where, run_id, learner_id, incarnation, num_fragments, **options
+    transport: LearnerTransport = _built(
+        url,
+        "learner",
+        lambda: cls(where, run_id, learner_id, incarnation, num_fragments, **options),
     )
     return transport
 
@@ -151,10 +194,16 @@ def connect_syncer(
         options.setdefault("max_message_bytes", max_message_bytes)
     if parsed.backend == "zmq":
         if len(parsed.endpoints) != 1:
-            raise ValueError(
+            raise ConfigError(
                 f"url={url!r}: a zmq syncer binds one endpoint; give each syncer its own"
             )
-        transport: SyncerTransport = cls(parsed.endpoints[0], run_id, fragments, **options)
+        transport: SyncerTransport = _built(
+            url, "syncer", lambda: cls(parsed.endpoints[0], run_id, fragments, **options)
+        )
     else:
-        transport = cls(parsed.endpoints[0], run_id, syncer_id, fragments, **options)
+        transport = _built(
+            url,
+            "syncer",
+            lambda: cls(parsed.endpoints[0], run_id, syncer_id, fragments, **options),
+        )
     return transport

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from broker.errors import ConfigError
 from broker.wire import FRAME_PREFIX_BYTES, MAX_HEADER_BYTES
 
 
@@ -77,9 +78,9 @@ def assign_fragments(sizes: Sequence[int], num_fragments: int) -> list[int]:
     Returns the fragment index of each tensor.
     """
     if num_fragments < 1:
-        raise ValueError(f"num_fragments must be >= 1, got {num_fragments}")
+        raise ConfigError(f"num_fragments must be >= 1, got {num_fragments}")
     if len(sizes) < num_fragments:
-        raise ValueError(
+        raise ConfigError(
             f"cannot cut {len(sizes)} tensors into {num_fragments} fragments; "
             f"use at most {len(sizes)} fragments"
         )
@@ -115,16 +116,16 @@ class FragmentPlan:
         cls, specs: Sequence[ParamSpec], num_fragments: int, sync_every: int | None = None
     ) -> FragmentPlan:
         if num_fragments < 1:
-            raise ValueError(f"num_fragments must be >= 1, got {num_fragments}")
+            raise ConfigError(f"num_fragments must be >= 1, got {num_fragments}")
         sync_every = num_fragments if sync_every is None else sync_every
         if sync_every < 1 or sync_every % num_fragments != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"sync_every (H={sync_every}) must be a positive multiple of the number "
                 f"of fragments (P={num_fragments})"
             )
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
-            raise ValueError("parameter names must be unique")
+            raise ConfigError("parameter names must be unique")
         owner = assign_fragments([s.nbytes for s in specs], num_fragments)
         return cls(tuple(specs), tuple(owner), num_fragments, sync_every)
 
@@ -178,16 +179,16 @@ class FragmentPlan:
                 for n, shape, dt, p in data["params"]
             ]
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"not a fragment plan: {e!r}") from None
+            raise ConfigError(f"not a fragment plan: {e!r}") from None
         specs = tuple(ParamSpec(n, shape, dt) for n, shape, dt, _ in rows)
         owner = tuple(p for *_, p in rows)
         for spec in specs:
             if not isinstance(getattr(torch, spec.dtype, None), torch.dtype):
-                raise ValueError(f"not a fragment plan: unknown dtype {spec.dtype!r}")
+                raise ConfigError(f"not a fragment plan: unknown dtype {spec.dtype!r}")
         if num_fragments < 1 or sync_every < 1 or sync_every % num_fragments:
-            raise ValueError(f"not a fragment plan: P={num_fragments}, H={sync_every}")
+            raise ConfigError(f"not a fragment plan: P={num_fragments}, H={sync_every}")
         if len({s.name for s in specs}) != len(specs) or set(owner) != set(range(num_fragments)):
-            raise ValueError("not a fragment plan: duplicate names or an empty fragment")
+            raise ConfigError("not a fragment plan: duplicate names or an empty fragment")
         return cls(specs, owner, num_fragments, sync_every)
 
     @property
@@ -220,6 +221,7 @@ class FragmentPlan:
         """Split a flat vector back into the fragment's named tensors (fp32 views)."""
         expected = self.fragment_numel(fragment)
         if flat.ndim != 1 or flat.numel() != expected:
+            # Callers check sizes first (a global's numel against the plan): a bug.
             raise ValueError(
                 f"fragment {fragment} has {expected} elements, got shape {tuple(flat.shape)}"
             )

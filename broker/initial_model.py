@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from broker.errors import ConfigError
 from broker.files import load_tensors, save_tensors
 from broker.fragments import FragmentPlan
 
@@ -35,7 +36,7 @@ def write_initial_model(
 ) -> None:
     missing = [s.name for s in plan.specs if s.name not in parameters]
     if missing:
-        raise ValueError(f"parameters {missing[:3]} of the plan are not given")
+        raise ConfigError(f"parameters {missing[:3]} of the plan are not given")
     tensors = {s.name: parameters[s.name].detach().to("cpu").clone() for s in plan.specs}
     save_tensors(
         path, tensors, {"format": FORMAT, "plan": plan.to_json(), "plan_hash": plan.plan_hash}
@@ -45,20 +46,20 @@ def write_initial_model(
 def read_initial_model(path: Path) -> InitialModel:
     """Load and check the file; ``ValueError`` says what is wrong with it."""
     if not path.is_file():
-        raise FileNotFoundError(
+        raise ConfigError(
             f"no initial model at {path}: write one with `ddiloco init` (same settings)"
         )
     try:
         tensors, meta = load_tensors(path)
     except Exception as e:  # safetensors raises its own error types for bad files
-        raise ValueError(f"{path} is not an initial model file: {e}") from None
+        raise ConfigError(f"{path} is not an initial model file: {e}") from None
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an initial model file (format {meta.get('format')!r})")
+        raise ConfigError(f"{path} is not an initial model file (format {meta.get('format')!r})")
     plan = FragmentPlan.from_json(meta.get("plan"))
     if plan.plan_hash != meta.get("plan_hash"):
-        raise ValueError(f"{path}: the stored plan hash does not match its plan")
+        raise ConfigError(f"{path}: the stored plan hash does not match its plan")
     for spec in plan.specs:
         t = tensors.get(spec.name)
         if t is None or tuple(t.shape) != spec.shape or str(t.dtype) != f"torch.{spec.dtype}":
-            raise ValueError(f"{path}: parameter {spec.name} is missing or not {spec}")
+            raise ConfigError(f"{path}: parameter {spec.name} is missing or not {spec}")
     return InitialModel(plan, tensors)

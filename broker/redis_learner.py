@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from broker.errors import ConfigError
 from broker.redis_common import (
     LEASE_SLOT,
     RedisLink,
@@ -58,15 +59,15 @@ class RedisLearnerTransport(LearnerTransport):
         socket_timeout_s: float = 5.0,
     ) -> None:
         if num_fragments < 1:
-            raise ValueError(f"num_fragments must be >= 1, got {num_fragments}")
+            raise ConfigError(f"num_fragments must be >= 1, got {num_fragments}")
         if max_unacked < 1:
-            raise ValueError(f"max_unacked must be >= 1, got {max_unacked}")
+            raise ConfigError(f"max_unacked must be >= 1, got {max_unacked}")
         if delta_stream_maxlen < 1:
-            raise ValueError(f"delta_stream_maxlen must be >= 1, got {delta_stream_maxlen}")
+            raise ConfigError(f"delta_stream_maxlen must be >= 1, got {delta_stream_maxlen}")
         if max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
+            raise ConfigError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
         if socket_timeout_s <= 0:
-            raise ValueError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
+            raise ConfigError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
         self.run_id = run_id
         self.learner_id = learner_id
         self.incarnation = incarnation

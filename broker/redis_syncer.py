@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import redis
 
+from broker.errors import ConfigError
 from broker.redis_common import (
     FIELD,
     GROUP,
@@ -92,17 +93,17 @@ class RedisSyncerTransport(SyncerTransport):
         socket_timeout_s: float = 5.0,
     ) -> None:
         if not fragments or len(set(fragments)) != len(fragments) or min(fragments) < 0:
-            raise ValueError(f"fragments must be distinct non-negative ids, got {fragments}")
+            raise ConfigError(f"fragments must be distinct non-negative ids, got {fragments}")
         if claim_idle_s <= 0:
-            raise ValueError(f"claim_idle_s must be > 0, got {claim_idle_s}")
+            raise ConfigError(f"claim_idle_s must be > 0, got {claim_idle_s}")
         if globals_maxlen < 1:
-            raise ValueError(f"globals_maxlen must be >= 1, got {globals_maxlen}")
+            raise ConfigError(f"globals_maxlen must be >= 1, got {globals_maxlen}")
         if block_ms < 1:
-            raise ValueError(f"block_ms must be >= 1 (0 would block forever), got {block_ms}")
+            raise ConfigError(f"block_ms must be >= 1 (0 would block forever), got {block_ms}")
         if max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
+            raise ConfigError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
         if socket_timeout_s <= 0:
-            raise ValueError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
+            raise ConfigError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
         self.run_id = run_id
         self.consumer = consumer
         self.fragments = list(fragments)

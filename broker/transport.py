@@ -41,6 +41,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# Defined in broker.errors; re-exported here, where the transports import them.
+from broker.errors import Backpressure as Backpressure
+from broker.errors import TransportError as TransportError
 from broker.wire import Delta, GlobalFragment, Heartbeat
 
 # Bounds of learner slots, so that no peer can hold slots without end or many
@@ -53,14 +56,6 @@ MAX_LEASE_TTL_S = 3600.0
 def lease_request_ok(ttl_s: float, held_slot: int) -> bool:
     """Whether a lease request is within the bounds above (checked on both ends)."""
     return 0 < ttl_s <= MAX_LEASE_TTL_S and -1 <= held_slot < MAX_LEARNER_SLOTS
-
-
-class TransportError(RuntimeError):
-    """The transport could not do what was asked within its timeout."""
-
-
-class Backpressure(TransportError):
-    """Too many deltas are waiting for acknowledgement; try again later."""
 
 
 @dataclass

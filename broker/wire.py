@@ -23,6 +23,7 @@ import msgpack
 import torch
 
 from broker.codecs import Buffer, Codec, CodecError
+from broker.errors import WireError as WireError  # re-exported: defined in broker.errors
 
 try:
     # ISA-L's CRC-32 is zlib's checksum (same polynomial, same frames), computed
@@ -47,14 +48,6 @@ _U63 = 2**63 - 1
 _ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _HASH_RE = re.compile(r"^[0-9a-f]{16}$")
 _REASON_RE = re.compile(r"^[a-z0-9_]{1,32}$")
-
-
-class WireError(ValueError):
-    """A frame that cannot be accepted; ``reason`` names why (for metrics)."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 # -- field checks -----------------------------------------------------------

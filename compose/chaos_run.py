@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from broker.config_checks import check_choice, check_int, check_positive, require
+from broker.errors import ConfigError, DdilocoError
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class LocalTargets:
     def __init__(self, folder: str) -> None:
         self.folder = Path(folder)
         if not (self.folder / PROCESSES_FILE).exists():
-            raise ValueError(
+            raise ConfigError(
                 f"{self.folder} has no {PROCESSES_FILE}: is `ddiloco local --out {folder}` running?"
             )
         self.record = EventLog(str(self.folder / CHAOS_FILE), echo=False)
@@ -176,7 +177,7 @@ class DockerTargets:
             self.client.ping()
         except DockerException as e:
             host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-            raise RuntimeError(
+            raise ConfigError(
                 f"no Docker engine answers at {host} ({e}): start one, or set DOCKER_HOST"
             ) from None
         self.project = project
@@ -238,7 +239,7 @@ def run_chaos(cfg: ChaosConfig) -> int:
     targets: Targets
     try:
         targets = LocalTargets(cfg.local) if cfg.local else DockerTargets(cfg.project)
-    except (ValueError, RuntimeError) as e:
+    except DdilocoError as e:
         log_.write("refused", reason=str(e))
         return 2
     if not targets.running(roles):

@@ -26,8 +26,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-import zmq
-
+from broker.errors import ConfigError, DdilocoError
 from compose.chaos_run import ChaosConfig, run_chaos
 from compose.cli_config import add_dataclass_args, dataclass_from_args
 from compose.lease import AUTO_ID, SlotLease, default_holder, learner_id_of, shard_of
@@ -89,7 +88,7 @@ def _run_learner(cfg: LearnerConfig) -> int:
     if cfg.learner_id == AUTO_ID:
         # A learner of a scaled service: its id and shard come from a slot lease.
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("--learner-id auto: give each torchrun group its own id instead")
+            raise ConfigError("--learner-id auto: give each torchrun group its own id instead")
         holder = default_holder()
         lease = SlotLease(cfg.run, holder, on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
         slot = lease.take(cfg.process.join_timeout_s)
@@ -161,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         actions = throttle.add_subparsers(dest="action", required=True)
         for action, text in THROTTLE_ACTIONS.items():
             add_dataclass_args(actions.add_parser(action, help=text), ThrottleConfig)
-    except ValueError as e:  # a DDILOCO_* variable that does not parse
+    except ConfigError as e:  # a DDILOCO_* variable that does not parse
         print(f"ddiloco: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
@@ -195,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         assert isinstance(cfg, SyncerConfig)
         run_syncer(cfg)
         return 0
-    except (ValueError, OSError, TimeoutError, RuntimeError, zmq.ZMQError) as e:
+    except (DdilocoError, OSError) as e:
         # What a user can fix (a bad value, a port in use, a path that is a file):
-        # one line that says which, not a traceback.
+        # one line that says which, not a traceback. Anything else is a bug: its
+        # traceback is what to report.
         print(f"ddiloco {args.command}: {e}", file=sys.stderr)
         return 2
 

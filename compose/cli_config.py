@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any, TypeVar, Union
 
 from broker.codecs import Codec, CodecError
+from broker.errors import ConfigError
 
 T = TypeVar("T")
 ENV_PREFIX = "DDILOCO_"
@@ -131,7 +132,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
             try:
                 default = parse(os.environ[env])
             except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
-                raise ValueError(f"{env}={os.environ[env]!r}: {e}") from None
+                raise ConfigError(f"{env}={os.environ[env]!r}: {e}") from None
         # A bare boolean flag (--no-progress) means true; --flag false says it outright.
         flag_value = {"nargs": "?", "const": True} if tp is bool else {}
         parser.add_argument(

@@ -26,8 +26,9 @@ import time
 from collections.abc import Callable
 
 from broker.connect import connect_learner
+from broker.errors import TransportError
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
-from broker.transport import LearnerTransport, TransportError
+from broker.transport import LearnerTransport
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class SlotLease:
 
     def take(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for a slot (the broker may not be up yet), then
-        start renewing it; ``TimeoutError`` when none came."""
+        start renewing it; :class:`TransportError` when none came."""
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -89,7 +90,7 @@ class SlotLease:
                 break
             except TransportError as e:
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(
+                    raise TransportError(
                         f"no learner slot within {timeout_s}s: is the broker up? ({e})"
                     ) from e
                 log.info("waiting for a learner slot: %s", e)

@@ -51,6 +51,7 @@ from rich.console import Console
 from rich.live import Live
 
 from broker.connect import parse_url
+from broker.errors import ConfigError
 from broker.files import atomic_write
 from broker.settings import NO_BROKER, RunSettings
 from compose.chaos import ChaosSchedule
@@ -104,22 +105,22 @@ class LocalConfig:
     def __post_init__(self) -> None:
         m = self.run.learners
         if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r}: choose one of {list(MODES)}")
+            raise ConfigError(f"mode={self.mode!r}: choose one of {list(MODES)}")
         if self.slowdown and (len(self.slowdown) != m or any(f < 1 for f in self.slowdown)):
-            raise ValueError(f"slowdown={self.slowdown}: give {m} factors >= 1, e.g. 1,1,1.5,2")
+            raise ConfigError(f"slowdown={self.slowdown}: give {m} factors >= 1, e.g. 1,1,1.5,2")
         for name in ("chaos_mtbf_s", "restart_s", "kill_syncer_at_s", "kill_learner_at_s"):
             value = getattr(self, name)
             if not value >= 0:  # also refuses NaN
-                raise ValueError(f"{name}={value}: must be >= 0")
+                raise ConfigError(f"{name}={value}: must be >= 0")
         if self.mode == "diloco" and self.run.quorum not in (0, m):
-            raise ValueError("mode=diloco is synchronous: its quorum is M; drop --quorum")
+            raise ConfigError("mode=diloco is synchronous: its quorum is M; drop --quorum")
         if self.mode == "ddp" and self.kill_syncer_at_s:
-            raise ValueError("mode=ddp has no syncer to kill: drop --kill-syncer-at-s")
+            raise ConfigError("mode=ddp has no syncer to kill: drop --kill-syncer-at-s")
         if self.netns and self.run.url != RunSettings.url:
-            raise ValueError("--netns needs the default ZeroMQ url: drop --url")
+            raise ConfigError("--netns needs the default ZeroMQ url: drop --url")
         if self.link_rate:
             if not self.netns:
-                raise ValueError("--link-rate limits the learners' own links: add --netns")
+                raise ConfigError("--link-rate limits the learners' own links: add --netns")
             parse_rate(self.link_rate)
 
 
@@ -130,9 +131,9 @@ class LocalRun:
         self.mode = cfg.mode
         self.out = Path(cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.mode}")
         if self.out.exists() and not self.out.is_dir():
-            raise ValueError(f"--out {self.out} is a file; give a folder for the run")
+            raise ConfigError(f"--out {self.out} is a file; give a folder for the run")
         if (self.out / "summary.json").exists():
-            raise ValueError(f"--out {self.out} already holds a finished run; pick another folder")
+            raise ConfigError(f"--out {self.out} already holds a finished run; pick another folder")
         for sub in ("logs", "learners", "state", "plots"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
         self.port = free_port_pair()
@@ -164,7 +165,7 @@ class LocalRun:
         if initial == RunSettings.initial_model:
             initial = str(self.out / "initial-model.safetensors")
         elif not Path(initial).is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"--initial-model {initial}: no such file; write it with `ddiloco init`"
             )
         return dataclasses.replace(

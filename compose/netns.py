@@ -22,13 +22,14 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from broker.errors import ConfigError, DdilocoError
 from compose.throttle import NETNS_FILE
 
 
 def _ip(*args: str) -> str:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if proc.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+        raise DdilocoError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
     return proc.stdout
 
 
@@ -62,9 +63,9 @@ class LocalNetwork:
     @classmethod
     def create(cls, learners: list[str], rng: random.Random | None = None) -> LocalNetwork:
         if os.geteuid() != 0:
-            raise ValueError("--netns needs root (network namespaces and veth pairs)")
+            raise ConfigError("--netns needs root (network namespaces and veth pairs)")
         if len(learners) > 250:
-            raise ValueError("--netns: at most 250 learners (one /24)")
+            raise ConfigError("--netns: at most 250 learners (one /24)")
         rng = rng or random.Random()
         used = _used_prefixes()
         free = [f"10.{b}.{c}" for b in range(200, 208) for c in range(256)]

@@ -19,6 +19,8 @@ from typing import IO, Any
 
 from rich.console import Console
 
+from broker.errors import DdilocoError, TransportError
+
 MAX_CRASHES = 5  # a process that dies on its own more often than this ends the run
 # Set for a warm spare: the process does its imports, then waits for one line on
 # stdin (JSON: environment to set) before it goes on as the process it replaces.
@@ -37,7 +39,7 @@ def free_port_pair() -> int:
                 except OSError:
                     continue
             return port
-    raise RuntimeError("no free pair of ports on loopback")
+    raise TransportError("no free pair of ports on loopback")
 
 
 class JsonlTail:
@@ -161,9 +163,9 @@ class Proc:
                 if b"ready" in buf:
                     return
             if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited at start; see {self.log_path}")
+                raise DdilocoError(f"{self.name} exited at start; see {self.log_path}")
             time.sleep(0.05)
-        raise TimeoutError(f"{self.name} not ready within {timeout_s}s; see {self.log_path}")
+        raise DdilocoError(f"{self.name} not ready within {timeout_s}s; see {self.log_path}")
 
 
 class Supervisor:
@@ -236,10 +238,10 @@ class Supervisor:
     def _crashed(self, proc: Proc, code: int) -> None:
         proc.crashes += 1
         if proc.crashes > MAX_CRASHES:
-            raise RuntimeError(f"{proc.name} crashed {proc.crashes} times; see {proc.log_path}")
+            raise DdilocoError(f"{proc.name} crashed {proc.crashes} times; see {proc.log_path}")
         self.events.append(
             {"t": time.time(), "event": "process_crash", "process": proc.name, "code": code}
         )
         self.console.print(f"[red]{proc.name} exited with {code}; see {proc.log_path}")
         if self.crash_is_fatal:
-            raise RuntimeError(f"{proc.name} failed; data parallel cannot continue")
+            raise DdilocoError(f"{proc.name} failed; data parallel cannot continue")

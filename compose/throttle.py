@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.config_checks import require
+from broker.errors import ConfigError, DdilocoError
 
 IFB = "ifb-ddl"  # the ingress device created in each namespace
 LATENCY_MS = 200
@@ -54,12 +55,12 @@ def parse_rate(text: str) -> int:
     """Bits per second of a tc rate (``10mbit``, ``2mbps``); ValueError says what to write."""
     m = _RATE_RE.match(text.lower())
     if not m or m[2] not in _UNITS:
-        raise ValueError(
+        raise ConfigError(
             f"rate={text!r}: give a number and one of {', '.join(_UNITS)}, e.g. 10mbit"
         )
     bits = int(float(m[1]) * _UNITS[m[2]])
     if bits < 8000:
-        raise ValueError(f"rate={text!r}: at least 8kbit")
+        raise ConfigError(f"rate={text!r}: at least 8kbit")
     return bits
 
 
@@ -141,7 +142,7 @@ class Link:
 def _checked(args: list[str], what: str) -> str:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
     if proc.returncode != 0:
-        raise RuntimeError(f"{what}: {' '.join(args)} failed: {proc.stderr.strip()}")
+        raise DdilocoError(f"{what}: {' '.join(args)} failed: {proc.stderr.strip()}")
     return proc.stdout
 
 
@@ -149,7 +150,7 @@ def local_links(folder: str) -> list[Link]:
     """The learners of a ``ddiloco local --netns`` run, each in its namespace."""
     path = Path(folder) / NETNS_FILE
     if not path.exists():
-        raise ValueError(f"{folder} has no {NETNS_FILE}: was it run with `ddiloco local --netns`?")
+        raise ConfigError(f"{folder} has no {NETNS_FILE}: was it run with `ddiloco local --netns`?")
     learners: dict[str, dict[str, str]] = json.loads(path.read_text())
     links = []
     for name, where in sorted(learners.items()):
@@ -170,14 +171,14 @@ def container_links(container: str | None, project: str) -> list[Link]:
         client = docker.from_env(timeout=30)
         client.ping()
     except DockerException as e:
-        raise RuntimeError(
+        raise ConfigError(
             f"no Docker engine answers ({e}): start one, or set DOCKER_HOST"
         ) from None
     if container:
         try:
             found = [client.containers.get(container)]
         except NotFound:
-            raise ValueError(f"no container {container!r}") from None
+            raise ConfigError(f"no container {container!r}") from None
     else:
         found = []
         for label, service in (
@@ -188,7 +189,7 @@ def container_links(container: str | None, project: str) -> list[Link]:
                 filters={"label": [f"{label}={project}", service]}, ignore_removed=True
             )
         if not found:
-            raise ValueError(f"no running learner container in project {project!r}")
+            raise ConfigError(f"no running learner container in project {project!r}")
     links = []
     for c in found:
 
@@ -196,7 +197,7 @@ def container_links(container: str | None, project: str) -> list[Link]:
             code, output = c.exec_run(cmd, user="root")
             text = output.decode(errors="replace")
             if code != 0:
-                raise RuntimeError(
+                raise ConfigError(
                     f"{c.name}: {' '.join(cmd)} failed: {text.strip()} "
                     "(the container needs cap_add NET_ADMIN and iproute2)"
                 )
@@ -219,7 +220,7 @@ def links_of(cfg: ThrottleConfig) -> list[Link]:
 def apply(action: str, cfg: ThrottleConfig) -> list[dict[str, Any]]:
     """Set, show or clear the limits of every target; one record per target."""
     if action == "set" and not cfg.rate:
-        raise ValueError("throttle set needs --rate, e.g. --rate 10mbit")
+        raise ConfigError("throttle set needs --rate, e.g. --rate 10mbit")
     records = []
     for link in links_of(cfg):
         if action == "set":

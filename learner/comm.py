@@ -75,7 +75,7 @@ class CommThread(threading.Thread):
         max_queued_bytes: int,
     ) -> None:
         super().__init__(name="ddiloco-comm", daemon=True)
-        if max_queued_bytes < 1:
+        if max_queued_bytes < 1:  # computed by the caller, never a user's value: a bug
             raise ValueError(f"max_queued_bytes must be >= 1, got {max_queued_bytes}")
         self.transport = transport
         self.encoder = encoder

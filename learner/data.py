@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from broker.errors import ConfigError
+
 VAL_PERCENT = 10
 
 
@@ -35,7 +37,7 @@ def stdlib_corpus() -> Corpus:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(root.glob("*.py"))
     if not files:
-        raise FileNotFoundError(f"no Python sources under {root}; pass --data FILE")
+        raise ConfigError(f"no Python sources under {root}; pass --data FILE")
     train: list[bytes] = []
     val: list[bytes] = []
     for f in files:
@@ -51,16 +53,16 @@ def _bytes_to_ids(data: bytes) -> torch.Tensor:
 def file_corpus(path: str, vocab_size: int) -> Corpus:
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"--data {path}: no such file")
+        raise ConfigError(f"--data {path}: no such file")
     if p.suffix == ".npy":
         ids = np.load(p, allow_pickle=False)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"--data {path}: expected a 1-D integer array of token ids")
+            raise ConfigError(f"--data {path}: expected a 1-D integer array of token ids")
         tokens = torch.from_numpy(ids.astype(np.int64))
     else:
         tokens = _bytes_to_ids(p.read_bytes())
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
-        raise ValueError(f"--data {path}: token ids must lie in [0, {vocab_size})")
+        raise ConfigError(f"--data {path}: token ids must lie in [0, {vocab_size})")
     cut = tokens.numel() * (100 - VAL_PERCENT) // 100
     return Corpus(tokens[:cut], tokens[cut:], str(p))
 
@@ -69,7 +71,7 @@ def load_corpus(data: str | None, vocab_size: int, seq_len: int) -> Corpus:
     corpus = stdlib_corpus() if data is None else file_corpus(data, vocab_size)
     for split in ("train", "val"):
         if getattr(corpus, split).numel() < 4 * (seq_len + 1):
-            raise ValueError(
+            raise ConfigError(
                 f"{corpus.source}: the {split} split is too small for seq_len {seq_len}"
             )
     return corpus
@@ -90,7 +92,7 @@ class BatchSampler:
         size = tokens.numel() // num_shards
         self.tokens = tokens[shard * size : (shard + 1) * size]
         if self.tokens.numel() <= seq_len + 1:
-            raise ValueError(f"shard {shard} of {num_shards} is too small for seq_len {seq_len}")
+            raise ConfigError(f"shard {shard} of {num_shards} is too small for seq_len {seq_len}")
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.gen = torch.Generator().manual_seed(seed)

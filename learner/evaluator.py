@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from broker.connect import connect_learner
+from broker.errors import ConfigError
 from broker.files import EventLog
 from broker.fragments import FragmentPlan, synced_parameters
 from broker.transport import LearnerTransport, TransportError
@@ -86,7 +87,7 @@ class Evaluator:
         torch.set_num_threads(cfg.process.torch_threads)
         workload = load_workload(WorkloadContext(cfg.workload, eval=cfg.eval))
         if workload.evaluate is None:
-            raise ValueError(f"workload={cfg.workload.workload!r} has no evaluate function")
+            raise ConfigError(f"workload={cfg.workload.workload!r} has no evaluate function")
         self._evaluate = workload.evaluate
         self.model = workload.model
         self.plan = FragmentPlan.for_model(self.model, cfg.run.fragments, cfg.run.sync_every)
@@ -154,7 +155,7 @@ class Evaluator:
                 next_eval = time.monotonic() + period
         try:
             self._load_snapshot(timeout_s=10.0)
-        except (TimeoutError, TransportError) as e:
+        except TransportError as e:
             log.warning("no final snapshot (%s); evaluating the last globals received", e)
         if self.deferred is not None:
             self.losses += self.deferred.evaluate_all(self.model, self._evaluate, self.events)

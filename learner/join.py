@@ -10,8 +10,9 @@ from collections.abc import Mapping
 import torch
 
 from broker.codecs import apply_change
+from broker.errors import ConfigError, TransportError
 from broker.fragments import FragmentPlan
-from broker.transport import LearnerTransport, TransportError
+from broker.transport import LearnerTransport
 from broker.wire import GlobalFragment, WireError, weights_checksum
 from learner.fragment_sync import Stamp
 
@@ -88,7 +89,7 @@ def join_snapshot(
     got: dict[int, GlobalFragment] = {}
     while len(got) < len(wanted):
         if time.monotonic() > deadline:
-            raise TimeoutError(
+            raise TransportError(
                 f"no snapshot of fragments {sorted(set(wanted) - got.keys())} within "
                 f"{timeout_s}s: is the syncer running and reachable?"
             )
@@ -97,22 +98,22 @@ def join_snapshot(
         # new call would ask at once for what may still be on a slow link.
         with contextlib.suppress(TransportError):
             remaining_s = max(0.1, deadline - time.monotonic())
-            got.update(
-                transport.snapshot([p for p in wanted if p not in got], remaining_s, held)
-            )
+            got.update(transport.snapshot([p for p in wanted if p not in got], remaining_s, held))
         if len(got) < len(wanted):
             time.sleep(0.2)  # the syncer has not published those fragments yet
     arrived = []
     for g in got.values():
         if g.plan_hash != plan.plan_hash:
-            raise ValueError(
+            raise ConfigError(
                 f"the syncer's model plan {g.plan_hash} differs from this learner's "
                 f"{plan.plan_hash}: use the same model, --fragments and --sync-every "
                 "as `ddiloco init`"
             )
         decoded = decoder.decode(g)
         if isinstance(decoded, str):
-            raise ValueError(f"the syncer's snapshot of fragment {g.fragment} is bad: {decoded}")
+            raise TransportError(
+                f"the syncer's snapshot of fragment {g.fragment} is bad: {decoded}"
+            )
         transport.accepted(g)
         arrived.append(decoded)
     return arrived

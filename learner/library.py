@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import pickle
 import signal
 import subprocess
 import sys
@@ -52,6 +53,7 @@ import torch
 
 from broker.codecs import Codec
 from broker.connect import connect_learner
+from broker.errors import ConfigError, DdilocoError
 from broker.files import atomic_write
 from broker.fragments import FragmentPlan, synced_parameters
 from broker.initial_model import write_initial_model
@@ -94,6 +96,19 @@ def split_settings(**settings: Any) -> tuple[RunSettings, SyncConfig, ProcessCon
     return run, sync, process
 
 
+@contextmanager
+def _saved_state(path: Path) -> Iterator[None]:
+    """Restoring what an earlier incarnation saved at ``path``: a file of another
+    model or optimizer (or a torn one) is a state folder to change, not a bug."""
+    try:
+        yield
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        raise ConfigError(
+            f"{path} is not this learner's saved state ({e}): give another state_dir "
+            "or delete that file"
+        ) from e
+
+
 class DecoupledDiLoCo:
     """A learner's side of Decoupled DiLoCo around the user's model and loop.
 
@@ -123,7 +138,7 @@ class DecoupledDiLoCo:
         self.optimizer = optimizer
         self.group = TorchrunGroup()
         if self.sync_cfg.blocking and self.group.world > 1:
-            raise ValueError("blocking (synchronous DiLoCo) learners cannot run under torchrun")
+            raise ConfigError("blocking (synchronous DiLoCo) learners cannot run under torchrun")
         self.params = synced_parameters(model)
         self.plan = FragmentPlan.for_model(model, self.run.fragments, self.run.sync_every)
         self.fragments = FragmentSync(
@@ -260,7 +275,9 @@ class DecoupledDiLoCo:
             self.phase_steps[sync_on] += 1
         if self.comm is not None:
             if self.comm.error is not None:
-                raise RuntimeError("comm thread failed") from self.comm.error
+                if isinstance(self.comm.error, DdilocoError):
+                    raise self.comm.error  # the transport's own words (a TransportError, say)
+                raise RuntimeError("comm thread failed") from self.comm.error  # a bug
             self.comm.heartbeat(
                 Heartbeat(
                     run_id=self.run.run_id,
@@ -376,17 +393,19 @@ class DecoupledDiLoCo:
         path = self._weights_path()
         if path is None or not path.exists():
             return
-        # weights_only: tensors and plain values, never code.
-        self.model.load_state_dict(torch.load(io.BytesIO(path.read_bytes()), weights_only=True))
+        with _saved_state(path):
+            # weights_only: tensors and plain values, never code.
+            self.model.load_state_dict(torch.load(io.BytesIO(path.read_bytes()), weights_only=True))
         log.info("learner %s: restored its weights (step %d)", self.learner_id, self.start_step)
 
     def _load_optimizer_state(self) -> None:
         path = self._optimizer_path()
         if path is None or not path.exists() or self.optimizer is None:
             return
-        # weights_only: tensors and plain values, never code.
-        state = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
-        self.optimizer.load_state_dict(state)
+        with _saved_state(path):
+            # weights_only: tensors and plain values, never code.
+            state = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
+            self.optimizer.load_state_dict(state)
         log.info("learner %s: restored the inner optimizer's state", self.learner_id)
 
     # -- what happened -----------------------------------------------------------------
@@ -469,7 +488,7 @@ def local_syncer(
     try:
         assert syncer.stdout is not None
         if syncer.stdout.readline().strip() != b"ready":
-            raise RuntimeError(f"the syncer did not start; see {folder / 'syncer.log'}")
+            raise DdilocoError(f"the syncer did not start; see {folder / 'syncer.log'}")
         yield syncer
     finally:
         if syncer.poll() is None:

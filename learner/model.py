@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from broker.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -22,9 +24,9 @@ class ModelConfig:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
-                raise ValueError(f"model {name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"model {name} must be an integer >= 1, got {value!r}")
         if self.d_model % self.n_head:
-            raise ValueError(
+            raise ConfigError(
                 f"model d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
             )
 

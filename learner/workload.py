@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from broker.errors import ConfigError
 from broker.fragments import FragmentPlan, synced_parameters
 from broker.initial_model import write_initial_model
 from broker.settings import RunSettings
@@ -58,11 +59,11 @@ def load_workload(context: WorkloadContext) -> Workload:
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"workload={context.config.workload!r}: {e}") from None
+        raise ConfigError(f"workload={context.config.workload!r}: {e}") from None
     torch.manual_seed(context.config.seed)
     workload = factory(context)
     if not isinstance(workload, Workload):
-        raise ValueError(
+        raise ConfigError(
             f"workload={context.config.workload!r} returned {type(workload).__name__}, "
             "not a learner.workload.Workload"
         )

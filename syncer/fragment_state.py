@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from broker.errors import TrustError
+from broker.errors import ConfigError, TrustError
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.wire import Delta
 from syncer import kernels
@@ -325,19 +325,19 @@ class FragmentState:
         it, the others take it whole."""
         versions = sorted(int(k.split(".", 1)[1]) for k in tensors if k.startswith("version."))
         if not versions or versions[-1] != meta["version"]:
-            raise ValueError(
+            raise ConfigError(
                 f"fragment {self.fragment}: checkpoint versions {versions} "
                 f"do not end at {meta['version']}"
             )
         if meta.get("fragment", self.fragment) != self.fragment:
-            raise ValueError(f"checkpoint of fragment {meta['fragment']} given to {self.fragment}")
+            raise ConfigError(f"checkpoint of fragment {meta['fragment']} given to {self.fragment}")
         expected = (self.numel,)
         momentum = tensors.get("momentum")
         master = tensors.get("master")
         sizes = [tensors[f"version.{v}"].shape for v in versions]
         sizes += [t.shape for t in (momentum, master) if t is not None]
         if any(tuple(shape) != expected for shape in sizes):
-            raise ValueError(
+            raise ConfigError(
                 f"fragment {self.fragment}: checkpoint tensors do not have the plan's "
                 f"{self.numel} elements (the plan needs ({self.numel},)); another model?"
             )

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from broker.errors import ConfigError
 from broker.files import load_tensors, save_tensors
 from broker.fragments import FragmentPlan
 from broker.initial_model import read_initial_model, write_initial_model
@@ -62,7 +63,7 @@ def test_plan_json_round_trip_and_rejections() -> None:
 
 
 def test_bad_files_get_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="ddiloco init"):
+    with pytest.raises(ConfigError, match="ddiloco init"):
         read_initial_model(tmp_path / "missing.safetensors")
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x00" * 64)
