@@ -18,7 +18,7 @@ NO_BROKER = "none"  # the url of learners that have no syncer (data parallel und
 
 
 # A learner not heard from for this many heartbeat timeouts is gone for good:
-# its lease slot goes to a newcomer (compose/lease.py), and a round stops
+# its lease slot goes to a newcomer (learner/lease.py), and a round stops
 # waiting for learners that never joined (syncer/service.py).
 GONE_AFTER_HEARTBEATS = 3
 
@@ -85,7 +85,3 @@ class RunSettings:
                 f"{name}={getattr(self, name)!r}: give a codec such as int8 or int4+zstd",
             )
         require(bool(self.initial_model), "initial_model: give a file path")
-
-    @property
-    def effective_quorum(self) -> int:
-        return self.quorum or default_quorum(self.learners)

@@ -50,13 +50,13 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
+from broker.cli_config import dataclass_to_args, dataclass_values
 from broker.connect import parse_url
 from broker.errors import ConfigError
 from broker.files import atomic_write
 from broker.settings import NO_BROKER, RunSettings
 from compose.chaos import ChaosSchedule
 from compose.chaos_run import CHAOS_FILE, PROCESSES_FILE
-from compose.cli_config import dataclass_to_args, dataclass_values
 from compose.live_view import LiveView
 from compose.netns import LocalNetwork
 from compose.processes import JsonlTail, Proc, Supervisor, free_port_pair
@@ -286,7 +286,6 @@ class LocalRun:
                 | {
                     "run_id": self.run_settings.run_id,
                     "url": self.run_settings.url,
-                    "quorum": self.run_settings.effective_quorum,
                 },
             }
         )
@@ -460,7 +459,6 @@ class LocalRun:
             learners=self.m,
             steps=self.run_settings.steps,
             fragments=self.run_settings.fragments,
-            quorum=self.run_settings.effective_quorum,
         )
         if self.network is not None:
             summary["link_bytes"] = self.network.counters()

@@ -20,11 +20,9 @@ from typing import IO, Any
 from rich.console import Console
 
 from broker.errors import DdilocoError, TransportError
+from learner.startup import STANDBY_ENV
 
 MAX_CRASHES = 5  # a process that dies on its own more often than this ends the run
-# Set for a warm spare: the process does its imports, then waits for one line on
-# stdin (JSON: environment to set) before it goes on as the process it replaces.
-STANDBY_ENV = "DDILOCO_STANDBY"
 
 
 def free_port_pair() -> int:

@@ -305,8 +305,10 @@ def summarise(
     learners: int,
     steps: int,
     fragments: int,
-    quorum: int | None = None,
 ) -> dict[str, Any]:
+    """A run's summary from its events. ``quorum`` is the K the syncer closed
+    its last round with (it follows the learners that joined, when fewer than
+    the run's did), None without rounds (data parallel)."""
     start = next(e["t"] for e in events if e["event"] == "run_start")
     end = next((e["t"] for e in reversed(events) if e["event"] == "run_end"), events[-1]["t"])
     evals = [e for e in events if e["event"] == "eval"]
@@ -345,7 +347,7 @@ def summarise(
     summary: dict[str, Any] = {
         "mode": mode,
         "learners": learners,
-        "quorum": quorum,
+        "quorum": rounds[-1].get("quorum") if rounds else None,
         "steps_per_learner": steps,
         "tokens_total": tokens_total,
         "wall_s": round(end - start, 2),

@@ -115,7 +115,6 @@ def report(cfg: ReportConfig) -> dict[str, Any] | None:
         learners=len(learner_ids),
         steps=cfg.run.steps,
         fragments=cfg.run.fragments,
-        quorum=cfg.run.quorum or None,
     )
     summary["finished"] = finished(events)
     with open(out / "metrics.jsonl.tmp", "w") as f:

@@ -1,7 +1,7 @@
 """The learner side's config dataclasses: what is trained, how, and by whom.
 
 Groups that several commands share are their own dataclasses, nested (and
-flattened onto flags and ``DDILOCO_*`` variables by :mod:`compose.cli_config`):
+flattened onto flags and ``DDILOCO_*`` variables by :mod:`broker.cli_config`):
 :class:`~broker.settings.RunSettings` (the whole run), :class:`WorkloadConfig`
 (model and data: ``ddiloco init``, learners, the evaluator), :class:`TrainConfig`
 (the inner loop), :class:`SyncConfig` (the learner's side of syncing) and
@@ -10,8 +10,11 @@ flattened onto flags and ``DDILOCO_*`` variables by :mod:`compose.cli_config`):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
+from broker.codecs import Codec
 from broker.config_checks import check_id, check_int, check_positive, require
 from broker.settings import RunSettings
 from learner.model import ModelConfig
@@ -106,6 +109,36 @@ class ProcessConfig:
     def __post_init__(self) -> None:
         check_int("torch_threads", self.torch_threads)
         check_positive("join_timeout_s", self.join_timeout_s)
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    """What :class:`learner.library.DecoupledDiLoCo` is configured with: the
+    run's shared settings, the learner's syncing options and its process
+    options, each typed."""
+
+    run: RunSettings = field(default_factory=RunSettings)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    process: ProcessConfig = field(default_factory=ProcessConfig)
+
+    @classmethod
+    def from_keywords(cls, **settings: Any) -> LearnerSettings:
+        """Route keyword settings (the library's API) to the dataclass that
+        defines each: one definition per setting; codecs may be given by name.
+        ``TypeError`` for unknown names."""
+        types_ = {"run": RunSettings, "sync": SyncConfig, "process": ProcessConfig}
+        by_group: dict[str, dict[str, Any]] = {group: {} for group in types_}
+        for name, value in settings.items():
+            for group, tp in types_.items():
+                if name in {f.name for f in dataclasses.fields(tp)}:
+                    if isinstance(value, str) and name.endswith("_codec"):
+                        value = Codec.parse(value)
+                    by_group[group][name] = value
+                    break
+            else:
+                known = sorted(f.name for tp in types_.values() for f in dataclasses.fields(tp))
+                raise TypeError(f"unknown setting {name!r}; known: {', '.join(known)}")
+        return cls(**{group: tp(**by_group[group]) for group, tp in types_.items()})
 
 
 @dataclass

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from broker.codecs import Codec
+from broker.cli_config import dataclass_to_args
 from broker.connect import connect_learner
 from broker.errors import ConfigError, DdilocoError
 from broker.files import atomic_write
@@ -61,7 +61,7 @@ from broker.settings import NO_BROKER, RunSettings
 from broker.transport import LearnerTransport, TransportStats
 from broker.wire import Delta, Heartbeat
 from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
-from learner.config import ProcessConfig, SyncConfig
+from learner.config import LearnerSettings
 from learner.fragment_sync import FragmentSync, Stamp
 from learner.group import TorchrunGroup
 from learner.join import GlobalDecoder, join_snapshot
@@ -75,25 +75,6 @@ MIN_QUEUED_BYTES = 64 * 2**20
 # learner started to be decoded (a poll and its decoding: milliseconds, or about a
 # second for the fragments of a large model).
 _FIRST_ARRIVALS_TIMEOUT_S = 5.0
-_SETTING_GROUPS = (RunSettings, SyncConfig, ProcessConfig)
-
-
-def split_settings(**settings: Any) -> tuple[RunSettings, SyncConfig, ProcessConfig]:
-    """Route keyword settings to the dataclass that defines each (one definition
-    per setting; codecs may be given by name). ``TypeError`` for unknown names."""
-    by_group: list[dict[str, Any]] = [{} for _ in _SETTING_GROUPS]
-    for name, value in settings.items():
-        for i, group in enumerate(_SETTING_GROUPS):
-            if name in {f.name for f in dataclasses.fields(group)}:
-                if isinstance(value, str) and name.endswith("_codec"):
-                    value = Codec.parse(value)
-                by_group[i][name] = value
-                break
-        else:
-            known = sorted(f.name for g in _SETTING_GROUPS for f in dataclasses.fields(g))
-            raise TypeError(f"unknown setting {name!r}; known: {', '.join(known)}")
-    run, sync, process = (g(**kw) for g, kw in zip(_SETTING_GROUPS, by_group, strict=True))
-    return run, sync, process
 
 
 @contextmanager
@@ -112,16 +93,18 @@ def _saved_state(path: Path) -> Iterator[None]:
 class DecoupledDiLoCo:
     """A learner's side of Decoupled DiLoCo around the user's model and loop.
 
-    ``settings`` are the run's shared settings (:class:`~broker.settings.RunSettings`:
+    Keyword settings are the run's shared settings (:class:`~broker.settings.RunSettings`:
     ``fragments``, ``sync_every``, ``delta_codec``, ...), the learner's syncing
     options (:class:`~learner.config.SyncConfig`) and process options
-    (:class:`~learner.config.ProcessConfig`), each by its own name.
+    (:class:`~learner.config.ProcessConfig`), each by its own name; or
+    ``settings``, all three typed (:class:`~learner.config.LearnerSettings`,
+    which the CLI learner passes), with no url or keyword settings beside it.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        url: str = RunSettings.url,
+        url: str | None = None,
         *,
         learner_id: str = "learner-0",
         load_global: bool = True,
@@ -129,9 +112,14 @@ class DecoupledDiLoCo:
         state_dir: str | None = None,
         metrics_port: int = 0,
         transport: LearnerTransport | None = None,
-        **settings: Any,
+        settings: LearnerSettings | None = None,
+        **keywords: Any,
     ) -> None:
-        self.run, self.sync_cfg, self.process = split_settings(url=url, **settings)
+        if settings is None:
+            settings = LearnerSettings.from_keywords(url=url or RunSettings.url, **keywords)
+        elif url is not None or keywords:
+            raise TypeError("give settings= or the url and keyword settings, not both")
+        self.run, self.sync_cfg, self.process = settings.run, settings.sync, settings.process
         self.model = model
         self.learner_id = learner_id
         self.load_global = load_global
@@ -435,7 +423,8 @@ def load_global_model(
 ) -> list[int]:
     """Load the current global model into ``model`` without taking part in the run
     (nothing is sent); returns each fragment's version. For evaluation."""
-    run, _, process = split_settings(url=url, **settings)
+    given = LearnerSettings.from_keywords(url=url, **settings)
+    run, process = given.run, given.process
     plan = FragmentPlan.for_model(model, run.fragments, run.sync_every)
     params = synced_parameters(model)
     fragments = FragmentSync(plan, run.overlap, flush_before_overwrite=False, keep_unsent=False)
@@ -459,7 +448,7 @@ def load_global_model(
 def save_initial_model(model: torch.nn.Module, path: str | Path, **settings: Any) -> FragmentPlan:
     """Write ``model`` as a run's initial global model (what ``ddiloco init`` does
     for the built-in workloads); a syncer started on this file needs no model class."""
-    run, _, _ = split_settings(**settings)
+    run = LearnerSettings.from_keywords(**settings).run
     plan = FragmentPlan.for_model(model, run.fragments, run.sync_every)
     write_initial_model(Path(path), plan, synced_parameters(model))
     return plan
@@ -469,20 +458,20 @@ def save_initial_model(model: torch.nn.Module, path: str | Path, **settings: Any
 def local_syncer(
     model: torch.nn.Module, url: str, workdir: str | Path, **settings: Any
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """A ``ddiloco syncer`` process on this machine for ``model``, for trying the
+    """A syncer process (``python -m syncer``) on this machine for ``model``, for trying the
     library without a cluster: writes the initial model into ``workdir``, starts
     the syncer, waits until it serves, and stops it on leaving (after merging
     what is pending). ``settings`` are the run settings the learners use too."""
-    run, _, _ = split_settings(url=url, **settings)
+    run = LearnerSettings.from_keywords(url=url, **settings).run
     folder = Path(workdir)
     initial = folder / "initial-model.safetensors"
     save_initial_model(model, initial, **settings)
-    flags = [
-        f"--{f.name.replace('_', '-')}={getattr(run, f.name)}" for f in dataclasses.fields(run)
+    served = dataclasses.replace(run, initial_model=str(initial))
+    cmd = [sys.executable, "-m", "syncer", *dataclass_to_args(served)]
+    cmd += [
+        f"--checkpoint-dir={folder / 'checkpoint'}",
+        f"--metrics-file={folder / 'syncer.jsonl'}",
     ]
-    cmd = [sys.executable, "-m", "compose.cli", "syncer", *flags]
-    cmd += [f"--initial-model={initial}", f"--checkpoint-dir={folder / 'checkpoint'}"]
-    cmd += [f"--metrics-file={folder / 'syncer.jsonl'}"]
     log_file = open(folder / "syncer.log", "ab")  # noqa: SIM115 (closed below)
     syncer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file)
     try:

@@ -22,7 +22,7 @@ import torch._dynamo  # noqa: F401  (a first optimizer imports it: seconds, here
 
 from broker.files import EventLog
 from broker.runtime import freeze_startup_heap
-from learner.config import LearnerConfig, TrainConfig
+from learner.config import LearnerConfig, LearnerSettings, TrainConfig
 from learner.evaluator import DeferredEvaluations
 from learner.group import TorchrunGroup
 from learner.library import DecoupledDiLoCo
@@ -123,7 +123,7 @@ class Learner:
             optimizer=self.optimizer if cfg.resume_optimizer else None,
             state_dir=cfg.state_dir,
             metrics_port=cfg.metrics_port,
-            **vars(cfg.run) | vars(cfg.sync) | vars(cfg.process),
+            settings=LearnerSettings(cfg.run, cfg.sync, cfg.process),
         )
         self.events = EventLog(
             cfg.metrics_file if self.group.leader else None,

@@ -28,8 +28,9 @@ def t(*xs: float) -> torch.Tensor:
 
 # -- rebasing ------------------------------------------------------------------
 def test_outer_gradient_by_hand() -> None:
-    g = outer_gradient(delta=t(0.5, -0.5, 0.0), base_weights=t(1, 2, 3),
-                       current_weights=t(1.5, 1.0, 3.25))
+    g = outer_gradient(
+        delta=t(0.5, -0.5, 0.0), base_weights=t(1, 2, 3), current_weights=t(1.5, 1.0, 3.25)
+    )
     # current - base + delta = (0.5 + 0.5, -1 - 0.5, 0.25 + 0)
     assert g.tolist() == [1.0, -1.5, 0.25]
 
@@ -222,8 +223,7 @@ def test_radial_by_hand() -> None:
 @pytest.mark.parametrize("m", [1, 2, 4, 7])
 def test_radial_norm_and_direction_match_numpy(m: int) -> None:
     rng = np.random.default_rng(100 + m)
-    grads = [(rng.standard_normal(300) * rng.uniform(0.1, 10)).astype(np.float32)
-             for _ in range(m)]
+    grads = [(rng.standard_normal(300) * rng.uniform(0.1, 10)).astype(np.float32) for _ in range(m)]
     weights = list(rng.uniform(0.5, 5.0, m))
     out = radial_directional_mean([torch.from_numpy(g) for g in grads], weights).numpy()
     w = np.asarray(weights) / np.sum(weights)
@@ -232,8 +232,9 @@ def test_radial_norm_and_direction_match_numpy(m: int) -> None:
     assert np.linalg.norm(out) == pytest.approx(float(np.dot(w, norms)), rel=1e-5)
     # Direction = normalised weighted mean of the unit vectors.
     units = sum(wi * g.astype(np.float64) / n for wi, g, n in zip(w, grads, norms, strict=True))
-    np.testing.assert_allclose(out / np.linalg.norm(out), units / np.linalg.norm(units),
-                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        out / np.linalg.norm(out), units / np.linalg.norm(units), rtol=1e-4, atol=1e-6
+    )
     np.testing.assert_allclose(out, numpy_radial(grads, weights), rtol=1e-4, atol=1e-6)
 
 

@@ -34,8 +34,12 @@ def sample_tensors() -> dict[str, torch.Tensor]:
     }
 
 
-META = {"fragment": 2, "version": 4, "applied": {"learner-0": [1, 7], "learner-1": [0, 12]},
-        "note": "ünïcode ok"}
+META = {
+    "fragment": 2,
+    "version": 4,
+    "applied": {"learner-0": [1, 7], "learner-1": [0, 12]},
+    "note": "ünïcode ok",
+}
 
 
 def test_fragment_round_trip(tmp_path: Path) -> None:
@@ -106,8 +110,13 @@ def test_failed_atomic_write_keeps_the_old_file(tmp_path: Path) -> None:
 
 def test_manifest_round_trip(tmp_path: Path) -> None:
     assert load_manifest(tmp_path) is None
-    manifest = {"run_id": "r1", "plan_hash": "0123456789abcdef", "fragments": 4,
-                "sync_every": 24, "model": {"d_model": 128, "n_layer": 4}}
+    manifest = {
+        "run_id": "r1",
+        "plan_hash": "0123456789abcdef",
+        "fragments": 4,
+        "sync_every": 24,
+        "model": {"d_model": 128, "n_layer": 4},
+    }
     save_manifest(tmp_path, manifest)
     assert load_manifest(tmp_path) == manifest
     # It is plain JSON on disk.

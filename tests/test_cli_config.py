@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from broker.codecs import Codec
-from broker.settings import RunSettings
-from compose.cli_config import (
+from broker.cli_config import (
     add_dataclass_args,
     dataclass_from_args,
     dataclass_to_args,
     dataclass_values,
 )
+from broker.codecs import Codec
+from broker.settings import RunSettings
 from learner.config import EvaluatorConfig, InitConfig, LearnerConfig
 from learner.model import ModelConfig
 from syncer.config import SyncerConfig
@@ -166,7 +166,7 @@ def test_syncer_flags() -> None:
         global_codec=Codec.parse("bf16+lz4"),
         url="zmq://0.0.0.0:7000",
     )
-    assert cfg.run.effective_quorum == 3
+    assert cfg.run.quorum == 3
 
 
 RUN_ARGV = [

@@ -293,8 +293,13 @@ def test_bad_specs_raise(spec: object) -> None:
 
 
 def test_bad_constructor_args_raise() -> None:
-    for kwargs in ({"quant": "int3"}, {"lossless": "brotli"}, {"block_size": 4},
-                   {"block_size": 8192}, {"block_size": 65}):
+    for kwargs in (
+        {"quant": "int3"},
+        {"lossless": "brotli"},
+        {"block_size": 4},
+        {"block_size": 8192},
+        {"block_size": 65},
+    ):
         with pytest.raises(CodecError):
             Codec(**kwargs)  # type: ignore[arg-type]
     assert issubclass(CodecError, ValueError)

@@ -24,6 +24,7 @@ from broker.settings import NO_BROKER, RunSettings, default_quorum
 from learner.config import EvaluatorConfig, InitConfig, LearnerConfig, WorkloadConfig
 from learner.model import ModelConfig
 from syncer.config import OuterConfig, SyncerConfig
+from syncer.membership import Membership
 
 NAN = float("nan")
 SERVICE_CONFIGS: tuple[type, ...] = (LearnerConfig, SyncerConfig, EvaluatorConfig, InitConfig)
@@ -108,7 +109,7 @@ def test_services_agree_by_default() -> None:
     run = RunSettings()
     assert parse_url(run.url).backend == "zmq"
     assert run.sync_every % run.fragments == 0 and run.overlap < run.sync_every
-    assert run.effective_quorum == default_quorum(run.learners) == 3
+    assert run.quorum == 0 and default_quorum(run.learners) == 3
     assert run.delta_codec == Codec.parse("int2+zstd")
     assert run.global_codec == Codec.parse("int2+zstd")
     assert (OuterConfig().outer_lr, OuterConfig().outer_momentum) == (0.7, 0.9)
@@ -397,11 +398,13 @@ def test_default_quorum(learners: int, expected: int) -> None:
 
 
 @pytest.mark.parametrize("learners", [1, 2, 3, 4, 5])
-def test_effective_quorum(learners: int) -> None:
-    assert RunSettings(learners=learners).effective_quorum == default_quorum(learners)
-    assert RunSettings(learners=learners, quorum=0).effective_quorum == default_quorum(learners)
+def test_the_membership_owns_k(learners: int) -> None:
+    """K is resolved in one place, the syncer's Membership: the quorum given,
+    else the default of M."""
+    members = Membership(RunSettings(learners=learners), learners, 0.0, ())
+    assert members.quorum() == default_quorum(learners)
     for k in range(1, learners + 1):
-        assert RunSettings(learners=learners, quorum=k).effective_quorum == k
+        assert Membership(RunSettings(learners=learners, quorum=k), learners, 0.0, ()).quorum() == k
 
 
 # -- one definition per setting -----------------------------------------------

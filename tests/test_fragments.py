@@ -186,13 +186,9 @@ def test_hash_changes_with_p_h_shapes_and_order() -> None:
     specs = list(base.specs)
     specs[0] = ParamSpec(specs[0].name, (specs[0].shape[0] + 1, specs[0].shape[1]), "float32")
     one_shape = FragmentPlan.build(specs, 4, 8)
-    bf16 = FragmentPlan.build(
-        [ParamSpec(s.name, s.shape, "bfloat16") for s in base.specs], 4, 8
-    )
+    bf16 = FragmentPlan.build([ParamSpec(s.name, s.shape, "bfloat16") for s in base.specs], 4, 8)
     reversed_order = FragmentPlan.build(list(reversed(base.specs)), 4, 8)
-    hashes = [
-        p.plan_hash for p in (base, other_p, other_h, wider, one_shape, bf16, reversed_order)
-    ]
+    hashes = [p.plan_hash for p in (base, other_p, other_h, wider, one_shape, bf16, reversed_order)]
     assert len(set(hashes)) == len(hashes)
 
 
@@ -282,9 +278,7 @@ def test_flatten_unflatten_round_trip_on_gpt() -> None:
         assert flat.dtype == torch.float32 and flat.ndim == 1
         assert flat.numel() == plan.fragment_numel(f)
         # Flattening order is model order within the fragment.
-        expected = torch.cat(
-            [params[s.name].detach().reshape(-1) for s in plan.fragment_specs(f)]
-        )
+        expected = torch.cat([params[s.name].detach().reshape(-1) for s in plan.fragment_specs(f)])
         assert torch.equal(flat, expected)
         back = plan.unflatten(flat, f)
         assert list(back) == [s.name for s in plan.fragment_specs(f)]

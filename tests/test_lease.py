@@ -18,7 +18,7 @@ from broker.redis_common import leases_key
 from broker.settings import RunSettings
 from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, TransportError
 from broker.wire import LeaseRequest
-from compose.lease import SlotLease, shard_of
+from learner.lease import SlotLease, shard_of
 from tests.servers import RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.integration

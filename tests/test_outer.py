@@ -10,8 +10,9 @@ from syncer.outer import nesterov_step
 torch.set_num_threads(1)
 
 
-def run_reference(w0: torch.Tensor, grads: list[torch.Tensor], lr: float, mu: float
-                  ) -> list[torch.Tensor]:
+def run_reference(
+    w0: torch.Tensor, grads: list[torch.Tensor], lr: float, mu: float
+) -> list[torch.Tensor]:
     """Weights after each step of torch's SGD, given the gradients."""
     p = torch.nn.Parameter(w0.clone())
     if mu > 0:

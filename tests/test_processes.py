@@ -13,7 +13,8 @@ import pytest
 from rich.console import Console
 
 from compose.local import LocalRun
-from compose.processes import STANDBY_ENV, Proc, Supervisor
+from compose.processes import Proc, Supervisor
+from learner.startup import STANDBY_ENV
 
 # What ``ddiloco learner`` does as a spare, in a few lines: wait for the line, go on.
 SCRIPT = f"""

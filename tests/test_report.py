@@ -21,11 +21,29 @@ from compose.report import (
 Event = dict[str, Any]
 
 
-def step(t: float, learner: str, incarnation: int, step_: int, tokens: int, rate: float,
-         sent: int, received: int) -> Event:
-    return {"t": t, "event": "step", "learner": learner, "incarnation": incarnation,
-            "step": step_, "tokens": tokens, "steps_per_s": rate, "bytes_sent": sent,
-            "bytes_received": received, "versions": [0, 0], "loss": 3.0}
+def step(
+    t: float,
+    learner: str,
+    incarnation: int,
+    step_: int,
+    tokens: int,
+    rate: float,
+    sent: int,
+    received: int,
+) -> Event:
+    return {
+        "t": t,
+        "event": "step",
+        "learner": learner,
+        "incarnation": incarnation,
+        "step": step_,
+        "tokens": tokens,
+        "steps_per_s": rate,
+        "bytes_sent": sent,
+        "bytes_received": received,
+        "versions": [0, 0],
+        "loss": 3.0,
+    }
 
 
 def run_events() -> list[Event]:
@@ -44,17 +62,39 @@ def run_events() -> list[Event]:
         step(2.0, "learner-0", 0, 10, 1000, 10.0, 100, 50),
         step(2.0, "learner-1", 0, 10, 1000, 8.0, 90, 40),
         step(2.5, "learner-1", 0, 20, 2000, 12.0, 180, 80),
-        {"t": 2.6, "event": "round", "fragment": 0, "version": 1, "included": 2,
-         "tokens": 3000, "learners": ["learner-0", "learner-1"],
-         "keys": [["learner-0", 0, 0], ["learner-1", 0, 0]]},
+        {
+            "t": 2.6,
+            "event": "round",
+            "fragment": 0,
+            "version": 1,
+            "included": 2,
+            "tokens": 3000,
+            "learners": ["learner-0", "learner-1"],
+            "keys": [["learner-0", 0, 0], ["learner-1", 0, 0]],
+        },
         {"t": 2.8, "event": "reject", "reason": "stale", "learner": "learner-1", "fragment": 1},
         {"t": 3.0, "event": "train_end", "learner": "learner-1", "incarnation": 0, "step": 25},
-        {"t": 3.0, "event": "done", "learner": "learner-1", "incarnation": 0, "steps": 25,
-         "tokens": 2500, "bytes_sent": 300, "bytes_received": 120},
+        {
+            "t": 3.0,
+            "event": "done",
+            "learner": "learner-1",
+            "incarnation": 0,
+            "steps": 25,
+            "tokens": 2500,
+            "bytes_sent": 300,
+            "bytes_received": 120,
+        },
         step(3.0, "learner-0", 0, 20, 2000, 10.0, 200, 100),
-        {"t": 3.2, "event": "round", "fragment": 1, "version": 1, "included": 2,
-         "tokens": 2000, "learners": ["learner-0", "learner-1"],
-         "keys": [["learner-0", 0, 1], ["learner-1", 0, 1]]},
+        {
+            "t": 3.2,
+            "event": "round",
+            "fragment": 1,
+            "version": 1,
+            "included": 2,
+            "tokens": 2000,
+            "learners": ["learner-0", "learner-1"],
+            "keys": [["learner-0", 0, 1], ["learner-1", 0, 1]],
+        },
         {"t": 4.0, "event": "process_kill", "process": "learner-0", "reason": "chaos"},
         {"t": 4.5, "event": "reject", "reason": "quarantined", "learner": "x", "fragment": 0},
         {"t": 5.0, "event": "process_kill", "process": "syncer", "reason": "scheduled"},
@@ -62,23 +102,49 @@ def run_events() -> list[Event]:
         {"t": 5.3, "event": "process_restart", "process": "syncer"},
         {"t": 5.5, "event": "start", "learner": "learner-0", "incarnation": 1, "step": 20},
         step(6.5, "learner-0", 1, 30, 3000, 10.0, 80, 40),
-        {"t": 7.0, "event": "round", "fragment": 0, "version": 2, "included": 1,
-         "tokens": 2500, "learners": ["learner-0"], "keys": [["learner-0", 1, 0]]},
+        {
+            "t": 7.0,
+            "event": "round",
+            "fragment": 0,
+            "version": 2,
+            "included": 1,
+            "tokens": 2500,
+            "learners": ["learner-0"],
+            "keys": [["learner-0", 1, 0]],
+            "quorum": 1,  # the syncer's K when it closed this round
+        },
         {"t": 7.5, "event": "train_end", "learner": "learner-0", "incarnation": 1, "step": 40},
-        {"t": 7.5, "event": "done", "learner": "learner-0", "incarnation": 1, "steps": 40,
-         "tokens": 4000, "bytes_sent": 160, "bytes_received": 90},
+        {
+            "t": 7.5,
+            "event": "done",
+            "learner": "learner-0",
+            "incarnation": 1,
+            "steps": 40,
+            "tokens": 4000,
+            "bytes_sent": 160,
+            "bytes_received": 90,
+        },
         {"t": 7.6, "event": "process_kill", "process": "learner-1", "reason": "shutdown"},
         {"t": 7.8, "event": "eval", "loss": 2.25, "source": "evaluator", "final": True},
-        {"t": 7.9, "event": "summary", "source": "syncer", "duplicates": 4,
-         "rejected_by_reason": {"stale": 1, "transport_bad_magic": 3}},
+        {
+            "t": 7.9,
+            "event": "summary",
+            "source": "syncer",
+            "duplicates": 4,
+            "rejected_by_reason": {"stale": 1, "transport_bad_magic": 3},
+        },
         {"t": 8.0, "event": "run_end"},
     ]
 
 
 def test_summary_by_hand() -> None:
-    s = summarise(run_events(), mode="decoupled", learners=2, steps=40, fragments=2, quorum=1)
+    s = summarise(run_events(), mode="decoupled", learners=2, steps=40, fragments=2)
     assert (s["mode"], s["learners"], s["steps_per_learner"], s["quorum"]) == (
-        "decoupled", 2, 40, 1)
+        "decoupled",
+        2,
+        40,
+        1,
+    )
     # learner-0: max over incarnations (2000 then 4000) = 4000; learner-1: 2500.
     assert s["tokens_total"] == 6500
     assert s["wall_s"] == 8.0
@@ -245,14 +311,21 @@ def test_union_length(spans: list[tuple[float, float]], length: float) -> None:
 def test_load_events_merges_sources_in_time_order(tmp_path: Path) -> None:
     (tmp_path / "learners").mkdir()
     (tmp_path / "launcher.jsonl").write_text(
-        json.dumps({"t": 0.0, "event": "run_start"}) + "\n"
-        + json.dumps({"t": 3.0, "event": "run_end"}))
+        json.dumps({"t": 0.0, "event": "run_start"})
+        + "\n"
+        + json.dumps({"t": 3.0, "event": "run_end"})
+    )
     (tmp_path / "syncer.jsonl").write_text(json.dumps({"t": 2.0, "event": "round"}) + "\n")
     (tmp_path / "learners" / "learner-0.jsonl").write_text(
-        json.dumps({"t": 1.0, "event": "step"}) + "\n" + '{"t": 2.5, "ev')  # cut by SIGKILL
+        json.dumps({"t": 1.0, "event": "step"}) + "\n" + '{"t": 2.5, "ev'
+    )  # cut by SIGKILL
     events = load_events(tmp_path)
     assert [(e["t"], e["source"]) for e in events] == [
-        (0.0, "launcher"), (1.0, "learner-0"), (2.0, "syncer"), (3.0, "launcher")]
+        (0.0, "launcher"),
+        (1.0, "learner-0"),
+        (2.0, "syncer"),
+        (3.0, "launcher"),
+    ]
 
 
 def test_plot_run_writes_two_pngs(tmp_path: Path) -> None:

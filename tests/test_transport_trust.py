@@ -171,9 +171,7 @@ def test_changes_rebuild_the_syncers_versions_bit_for_bit_and_a_gap_takes_the_sn
 
     learner = backend.learner()
     decoder = GlobalDecoder(PLAN, learner)
-    comm = CommThread(
-        learner, DeltaEncoder(Codec(), error_feedback=False), decoder.decode, 2**20
-    )
+    comm = CommThread(learner, DeltaEncoder(Codec(), error_feedback=False), decoder.decode, 2**20)
     comm.start()
     newest: dict[int, torch.Tensor] = {}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from broker.cli_config import add_dataclass_args, dataclass_from_args
 from broker.settings import RunSettings
-from compose.cli_config import add_dataclass_args, dataclass_from_args
 from syncer.config import OuterConfig, SyncerConfig
 
 NAN = float("nan")

@@ -65,9 +65,20 @@ def header_of(msg: Message) -> tuple[dict[str, Any], bytes]:
 def delta(codec: str = "int4+zstd", **kw: Any) -> Delta:
     c = Codec.parse(codec)
     base: dict[str, Any] = dict(
-        codec=codec, numel=VALUES.numel(), payload=c.encode(VALUES), run_id="run-1",
-        learner_id="learner-3", incarnation=2, seq=17, fragment=1, plan_hash=HASH,
-        base_version=5, step=120, c_steps=24, c_tokens=49152, sent_at=1712345678.25,
+        codec=codec,
+        numel=VALUES.numel(),
+        payload=c.encode(VALUES),
+        run_id="run-1",
+        learner_id="learner-3",
+        incarnation=2,
+        seq=17,
+        fragment=1,
+        plan_hash=HASH,
+        base_version=5,
+        step=120,
+        c_steps=24,
+        c_tokens=49152,
+        sent_at=1712345678.25,
     )
     base.update(kw)
     return Delta(**base)
@@ -80,20 +91,49 @@ def messages() -> list[Message]:
         delta("int8@128"),
         delta("bf16+lz4"),
         GlobalFragment(
-            codec="fp32", numel=VALUES.numel(), payload=Codec().encode(VALUES), run_id="r",
-            fragment=3, plan_hash=HASH, version=9, sent_at=0.0,
+            codec="fp32",
+            numel=VALUES.numel(),
+            payload=Codec().encode(VALUES),
+            run_id="r",
+            fragment=3,
+            plan_hash=HASH,
+            version=9,
+            sent_at=0.0,
         ),
-        GlobalFragment(codec="fp32", numel=0, payload=b"", run_id="r", fragment=0,
-                       plan_hash=HASH, version=0, sent_at=2),
-        Heartbeat(run_id="r", learner_id="a.b:c_d-e", incarnation=0, step=3, tokens=999,
-                  step_time_s=0.125, sent_at=10.5),
+        GlobalFragment(
+            codec="fp32",
+            numel=0,
+            payload=b"",
+            run_id="r",
+            fragment=0,
+            plan_hash=HASH,
+            version=0,
+            sent_at=2,
+        ),
+        Heartbeat(
+            run_id="r",
+            learner_id="a.b:c_d-e",
+            incarnation=0,
+            step=3,
+            tokens=999,
+            step_time_s=0.125,
+            sent_at=10.5,
+        ),
         Ack(run_id="r", learner_id="l", incarnation=1, seqs=[1, 2, 3, 2**63 - 1]),
         Ack(run_id="r", learner_id="l", incarnation=1, seqs=[]),
         SnapshotRequest(run_id="r", learner_id="l", fragments=[0, 2]),
         SnapshotRequest(run_id="r", learner_id="l", fragments=[]),
         Refusal(run_id="r", learner_id="l", incarnation=1, seq=4, fragment=1, reason="stale"),
-        GlobalFragment(codec="int8", numel=VALUES.numel(), payload=Codec("int8").encode(VALUES),
-                       run_id="r", fragment=1, plan_hash=HASH, version=7, change_from=6),
+        GlobalFragment(
+            codec="int8",
+            numel=VALUES.numel(),
+            payload=Codec("int8").encode(VALUES),
+            run_id="r",
+            fragment=1,
+            plan_hash=HASH,
+            version=7,
+            change_from=6,
+        ),
         SnapshotRequest(run_id="r", learner_id="l", fragments=[0, 2], held_crcs=[7, 2**32 - 1]),
     ]
 
@@ -157,8 +197,12 @@ def test_parts_that_do_not_match_the_prefix_are_rejected() -> None:
 
 
 def test_tensor_decodes_to_values() -> None:
-    for codec, tol in (("fp32", 0.0), ("bf16+lz4", 2**-8), ("int8@128", 1 / 254),
-                       ("int4+zstd", 1 / 14 + 1e-6)):
+    for codec, tol in (
+        ("fp32", 0.0),
+        ("bf16+lz4", 2**-8),
+        ("int8@128", 1 / 254),
+        ("int4+zstd", 1 / 14 + 1e-6),
+    ):
         back = wire.decode(wire.encode(delta(codec)))
         assert isinstance(back, Delta)
         t = back.tensor()
@@ -197,8 +241,9 @@ def test_framing_errors() -> None:
         (10, 1001, {"max_payload_bytes": 1000}),
     ],
 )
-def test_oversized_lengths_rejected_before_reading(head_len: int, payload_len: int,
-                                                   kw: dict[str, int]) -> None:
+def test_oversized_lengths_rejected_before_reading(
+    head_len: int, payload_len: int, kw: dict[str, int]
+) -> None:
     # Only 20 bytes are present: the lengths alone must decide.
     data = b"DDL1" + struct.pack("<II", head_len, payload_len) + bytes(8)
     assert reason(data, **kw) == "too_large"
@@ -375,8 +420,7 @@ def assert_decodes_or_wire_error(data: bytes) -> None:
     assert type(msg) in wire.KINDS.values()
 
 
-PROPS = settings(max_examples=150, deadline=None,
-                 suppress_health_check=[HealthCheck.too_slow])
+PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @PROPS
@@ -413,18 +457,23 @@ msgpack_values = st.recursive(
     | st.text(max_size=20)
     | st.binary(max_size=8)
     | st.sampled_from(["delta", "ack", "fp32", "int4+zstd", HASH, "r", 1, 0]),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=12,
 )
 
 
 @PROPS
-@given(st.dictionaries(
-    st.sampled_from(["v", "k", "run_id", "learner_id", "seq", "seqs", "codec", "numel"])
-    | st.text(max_size=6),
-    msgpack_values, max_size=8,
-), st.binary(max_size=40))
+@given(
+    st.dictionaries(
+        st.sampled_from(["v", "k", "run_id", "learner_id", "seq", "seqs", "codec", "numel"])
+        | st.text(max_size=6),
+        msgpack_values,
+        max_size=8,
+    ),
+    st.binary(max_size=40),
+)
 def test_valid_checksum_random_header(header: dict[str, Any], payload: bytes) -> None:
     assert_decodes_or_wire_error(frame(header, payload))
     assert_decodes_or_wire_error(frame({**header, "v": wire.SCHEMA_VERSION}, payload))
