@@ -275,7 +275,7 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
         _step_tile(update, weights, base, buffers, False, factors, weights, buffers, moved)
     else:
         _step_tile(update, weights, base, buffers, False, factors, stepped, buffers, moved)
-    # -- each block's codes and least-squares scale (Codec._scaled_codes). What
+    # -- each block's codes and least-squares scale (broker.quantise.Levels.scaled_codes). What
     # is done once per block is done for every block of the tile in one loop, so
     # that it is vectorised too.
     moved_bits = moved.view(np.uint32)
