@@ -19,7 +19,7 @@ NO_BROKER = "none"  # the url of learners that have no syncer (data parallel und
 
 # A learner not heard from for this many heartbeat timeouts is gone for good:
 # its lease slot goes to a newcomer (learner/lease.py), and a round stops
-# waiting for learners that never joined (syncer/service.py).
+# waiting for learners that never joined (syncer/quorum.py).
 GONE_AFTER_HEARTBEATS = 3
 
 

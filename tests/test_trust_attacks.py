@@ -133,7 +133,7 @@ def test_forged_step_time_cannot_buy_a_step_count() -> None:
 def test_a_learner_reporting_2_62_tokens_gets_at_most_the_clip_share() -> None:
     """Attack: c_tokens = 2^62 in one step, a weight of 2^124 against honest ones
     of ~3e5: before, the round was the attacker's alone (share ~1). Now its
-    weight is capped at 3x the round's median: with three honest learners its
+    weight is capped at 3x the typical weight: with three honest learners its
     share is 3 / (3 + 3) = 1/2 at most. (With the default token limit such a
     claim is refused outright, see test_trust_bounds; here the limit is lifted
     to test the clip alone.)"""
