@@ -326,3 +326,43 @@ def test_rows_of_packed_deltas_come_back_when_their_deltas_go() -> None:
     codes = state.buffers.rows.codes[held.row.index].copy()
     del again
     assert np.array_equal(state.buffers.rows.codes[held.row.index], codes)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_rebasing_is_against_the_published_version_as_the_design_says(compiled: bool) -> None:
+    """docs/design.md, rule 1, written independently here in float64: with int2
+    globals the outer gradient of a delta on base b is Theta(current) -
+    (Theta(b) - Delta), Theta the published versions, never the fp32 master
+    (which leads the current version by the rounding error still to publish).
+    lr 1 and no momentum: the master moves by exactly the merged gradient."""
+    numel = 4096 + 100
+    state = FragmentState(
+        0, torch.randn(numel, generator=torch.Generator().manual_seed(3)),
+        *params(quorum=1, outer_lr=1.0, outer_momentum=0.0), published_s=T0,
+    )  # fmt: skip
+    if not compiled:
+        state = torch_twin(state)
+    assert isinstance(state.merge, CompiledMerge) is compiled
+    gen = torch.Generator().manual_seed(4)
+    for seq in range(1, 4):  # a few rounds, so that the master leads the version
+        # int8 deltas: changes that ternary codes cannot publish exactly.
+        values = 1e-2 * torch.randn(numel, generator=gen)
+        offer_both([state], [sent("a", seq, state.version, values, Codec.parse("int8"))], T0 + seq)
+        state.close(T0 + seq, 1)
+    lead = (state.master.double() - state.weights.double()).abs().max().item()
+    assert lead > 1e-3  # int2 globals: the master is ahead of what was published
+    # Two deltas of two learners: one on the current version, one a version behind.
+    current, behind = state.version, state.version - 1
+    theta = {v: state.versions.get(v).double() for v in (current, behind)}
+    master = state.master.double().clone()
+    d_now = sent("b", 1, current, 1e-2 * torch.randn(numel, generator=gen))
+    d_old = sent("c", 1, behind, 1e-2 * torch.randn(numel, generator=gen))
+    offer_both([state], [d_now, d_old], T0 + 10)
+    state.close(T0 + 10, 2)
+    deltas = {
+        v: d.codec.decode(d.payload, numel).double() for v, d in ((current, d_now), (behind, d_old))
+    }
+    # Equal token-step weights: the merged gradient is the mean of the two.
+    g = [theta[current] - (theta[v] - deltas[v]) for v in (current, behind)]
+    expected = master - (g[0] + g[1]) / 2
+    torch.testing.assert_close(state.master.double(), expected, rtol=0, atol=1e-5)
