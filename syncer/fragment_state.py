@@ -236,7 +236,7 @@ class FragmentState:
         """Merge the round into a new version. The caller makes it durable, then
         publishes :attr:`publication` and acks ``refs``, then calls :meth:`round_done`.
 
-        ``learners``: the terms of a full round (M, or the waited-for learners
+        ``learners``: the deltas of a full round (M, or the waited-for learners
         when fewer); a round of n fewer takes n/M of an outer step
         (docs/design.md, rule 7); 0: a full step whatever n. First the
         quarantine and the weight cap (:meth:`Admission.judge`); if every term
@@ -289,7 +289,10 @@ class FragmentState:
     @staticmethod
     def _round(verdict: Verdict, learners: int) -> Round:
         kept = verdict.kept
-        share = len(kept) / learners if len(kept) < learners else None
+        # The share counts sends, not terms: each of a learner's deltas carries
+        # about H steps of its progress (docs/design.md, rule 7).
+        sends = sum(len(t.parts) for t in kept)
+        share = sends / learners if sends < learners else None
         term_fractions = normalised_weights(verdict.weights, len(kept))
         fractions = [
             fraction * part

@@ -43,7 +43,7 @@ class Membership:
         return self.roster.waited_for(now, self.run.sync_every)
 
     def full_round(self, now: float) -> int:
-        """How many terms make a full round: M, or the waited-for learners when
+        """How many deltas make a full round: M, or the waited-for learners when
         fewer (the dead do not shrink every round's step for ever)."""
         waited = len(self.waited_for(now))
         return min(self.learners(), waited) if waited else self.learners()
