@@ -27,7 +27,7 @@ class OuterConfig:
     aggregation: str = "mean"  # mean, radial, trimmed_mean or coordinate_median (untrusted)
     trim_per_side: int = 1  # trimmed_mean: values dropped at each end of every coordinate
     grace_gamma: float = 0.5  # share of the overlap left after quorum that a round may wait
-    staleness: int = 2  # S: versions kept per fragment for rebasing (chosen by measurement)
+    staleness: int = 4  # S: versions kept per fragment for rebasing (chosen by measurement)
     weight_clip: float = 3.0  # cap each learner's token-step weight at this x the typical weight
     quarantine_factor: float = 10.0  # Q: bar on a delta's norm per step, x its fragment's median
     quarantine_window: int = 16  # W: the last merged terms per fragment whose median sets both

@@ -81,16 +81,10 @@ def test_ddiloco_local_trains_a_user_workload(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_eval_loss"] < 0.25 * summary["initial_eval_loss"], summary
     assert summary["deltas_applied"] >= 10
-    # Only staleness may refuse a delta in a healthy run. This toy's steps
-    # outrun a round trip and every delta closes a round (K = 1), so with S = 2
-    # kept versions a quarter to a third of its deltas are refused as stale
-    # (benchmarks/README.md, "Kept versions": 24 of 104 and 23 of 86 sent),
-    # and its loss is lower for it; more than half would be a syncer that
-    # cannot keep up.
+    # Only staleness may refuse a delta in a healthy run (a learner slowed by a
+    # loaded machine), and rarely.
     assert set(summary["rejected_by_reason"]) <= {"stale"}
-    assert summary["deltas_rejected"] <= 0.5 * (
-        summary["deltas_applied"] + summary["deltas_rejected"]
-    )
+    assert summary["deltas_rejected"] <= 0.1 * summary["deltas_applied"]
 
 
 @pytest.mark.timeout(300)
