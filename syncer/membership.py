@@ -43,10 +43,12 @@ class Membership:
         return self.roster.waited_for(now, self.run.sync_every)
 
     def full_round(self, now: float) -> int:
-        """How many deltas make a full round: M, or the waited-for learners when
-        fewer (the dead do not shrink every round's step for ever)."""
-        waited = len(self.waited_for(now))
-        return min(self.learners(), waited) if waited else self.learners()
+        """How many deltas make a full round: M, or the live learners (heard
+        within the heartbeat timeout) when fewer, so the dead do not shrink
+        every round's step for ever. Live, not waited for: a learner whose
+        deltas are late is still training, and its next round will hold them."""
+        live = len(self.roster.live(now))
+        return min(self.learners(), live) if live else self.learners()
 
     def credited_step_s(self, learner: str) -> float | None:
         """The step time ``learner`` is credited with (:func:`syncer.trust.credited_step_s`)."""
