@@ -95,7 +95,7 @@ class Intake:
             except WireError as e:
                 self.refuse(item, e.reason)
                 return False
-            step_s = self.membership.credited_step_s(d.learner_id)
+            step_s = self.membership.roster.credited_step_s(d.learner_id)
             status = state.offer(d, tensor, ref, now, wall_s=wall_s, step_s=step_s)
         if status in (ACCEPTED, HELD):
             roster = self.membership.roster

@@ -8,7 +8,6 @@ from collections.abc import Collection
 
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings, default_quorum
 from syncer.quorum import Roster
-from syncer.trust import credited_step_s
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +48,6 @@ class Membership:
         deltas are late is still training, and its next round will hold them."""
         live = len(self.roster.live(now))
         return min(self.learners(), live) if live else self.learners()
-
-    def credited_step_s(self, learner: str) -> float | None:
-        """The step time ``learner`` is credited with (:func:`syncer.trust.credited_step_s`)."""
-        times = self.roster.pace_times()
-        return credited_step_s(times.get(learner), list(times.values()))
 
     def settle_short_run(self) -> str | None:
         """A round closed after waiting for learners that never joined: fewer run

@@ -297,14 +297,18 @@ class Roster:
         member on the roster, not in the wait: a learner that stopped sending,
         or anyone heartbeating under its id, cannot hold rounds open. Without
         a pace yet, live is enough."""
-        paces = self.pace_times()
         waited = set()
         for name in self.live(now):
-            step_s = credited_step_s(paces.get(name), list(paces.values()))
+            step_s = self.credited_step_s(name)
             since = now - self.last_delta.get(name, -math.inf)
             if step_s is None or since <= 2 * sync_every * step_s:
                 waited.add(name)
         return waited
+
+    def credited_step_s(self, learner: str) -> float | None:
+        """The step time ``learner`` is credited with (:func:`syncer.trust.credited_step_s`)."""
+        times = self.pace_times()
+        return credited_step_s(times.get(learner), list(times.values()))
 
     def step_times(self) -> dict[str, float]:
         """Each member's reported step time, where one is known."""
