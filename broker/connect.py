@@ -128,23 +128,7 @@ def _built(url: str, side: str, build: Callable[[], _T]) -> _T:
     try:
         return build()
     except (zmq.ZMQError, redis.exceptions.RedisError) as e:
-        _destroy_half_built(e)
         raise TransportError(f"{side} transport on {_shown(url)}: {e}") from e
-
-
-def _destroy_half_built(error: BaseException) -> None:
-    """Destroy the ZeroMQ contexts of a transport whose constructor raised: nobody
-    holds it to close it, and collecting it later can hang the collecting thread
-    in zmq_ctx_term (when a socket of the context is freed first). Redis clients
-    need nothing: their connections close when collected."""
-    tb = error.__traceback__
-    while tb is not None:
-        half_built = tb.tb_frame.f_locals.get("self")
-        if isinstance(half_built, (LearnerTransport, SyncerTransport)):
-            for value in vars(half_built).values():
-                if isinstance(value, zmq.Context):
-                    value.destroy(linger=0)
-        tb = tb.tb_next
 
 
 def _options_for(cls: type, parsed: BrokerUrl) -> dict[str, Any]:

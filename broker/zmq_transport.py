@@ -30,7 +30,8 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,19 @@ def _socket(
     # bytes reach us, so one bad client cannot make us allocate without bound.
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + _FRAME_OVERHEAD)
     return sock
+
+
+@contextmanager
+def _destroyed_on_error(ctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[None]:
+    """Destroy the context if building the sockets raises: nobody holds the
+    half-built transport to close it, and a context left to the garbage
+    collector can hang the collecting thread in zmq_ctx_term (its sockets'
+    weak references are cleared first, so nothing closes them)."""
+    try:
+        yield
+    except BaseException:
+        ctx.destroy(linger=0)
+        raise
 
 
 def _check_options(**values: int) -> None:
@@ -396,22 +410,10 @@ class ZmqLearnerTransport(LearnerTransport):
         self._dealers: list[zmq.Socket[bytes]] = []
         self._subs: list[zmq.Socket[bytes]] = []
         self._poller = zmq.Poller()
-        identity = f"{learner_id}/{incarnation}".encode()
-        for endpoint in endpoints:
-            dealer = _socket(self._ctx, zmq.DEALER, max_message_bytes)
-            dealer.setsockopt(zmq.IDENTITY, identity)
-            # Queue nothing for a syncer that is not connected: a restarted
-            # syncer gets resends from us instead of a stale backlog.
-            dealer.setsockopt(zmq.IMMEDIATE, 1)
-            dealer.setsockopt(zmq.SNDHWM, send_hwm)
-            dealer.connect(endpoint)
-            sub = _socket(self._ctx, zmq.SUB, max_message_bytes)
-            sub.setsockopt(zmq.SUBSCRIBE, GLOBALS_TOPIC)
-            sub.connect(pub_endpoint(endpoint))
-            self._poller.register(dealer, zmq.POLLIN)
-            self._poller.register(sub, zmq.POLLIN)
-            self._dealers.append(dealer)
-            self._subs.append(sub)
+        with _destroyed_on_error(self._ctx):
+            self._connect(
+                endpoints, f"{learner_id}/{incarnation}".encode(), max_message_bytes, send_hwm
+            )
         self._deltas = DeltaSender(
             self._dealers,
             learner_id,
@@ -429,6 +431,25 @@ class ZmqLearnerTransport(LearnerTransport):
         self._grants: dict[str, int] = {}  # holder -> slot, from the syncer's last answer
         # While snapshot() runs: the weights the caller holds.
         self._held: Mapping[int, Any] = {}
+
+    def _connect(
+        self, endpoints: Sequence[str], identity: bytes, max_message_bytes: int, send_hwm: int
+    ) -> None:
+        for endpoint in endpoints:
+            dealer = _socket(self._ctx, zmq.DEALER, max_message_bytes)
+            dealer.setsockopt(zmq.IDENTITY, identity)
+            # Queue nothing for a syncer that is not connected: a restarted
+            # syncer gets resends from us instead of a stale backlog.
+            dealer.setsockopt(zmq.IMMEDIATE, 1)
+            dealer.setsockopt(zmq.SNDHWM, send_hwm)
+            dealer.connect(endpoint)
+            sub = _socket(self._ctx, zmq.SUB, max_message_bytes)
+            sub.setsockopt(zmq.SUBSCRIBE, GLOBALS_TOPIC)
+            sub.connect(pub_endpoint(endpoint))
+            self._poller.register(dealer, zmq.POLLIN)
+            self._poller.register(sub, zmq.POLLIN)
+            self._dealers.append(dealer)
+            self._subs.append(sub)
 
     @property
     def unacked(self) -> int:
@@ -700,15 +721,16 @@ class ZmqSyncerTransport(SyncerTransport):
         self.max_batch = max_batch
         self.stats = TransportStats()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._router = _socket(self._ctx, zmq.ROUTER, max_message_bytes)
-        # A restarted learner reuses its identity only with a new incarnation,
-        # but let a reconnecting peer take its identity over rather than be refused.
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._router.setsockopt(zmq.SNDHWM, send_hwm)
-        self._router.bind(bind)
-        self._pub = _socket(self._ctx, zmq.PUB, max_message_bytes)
-        self._pub.setsockopt(zmq.SNDHWM, send_hwm)
-        self._pub.bind(pub_endpoint(bind))
+        with _destroyed_on_error(self._ctx):
+            self._router = _socket(self._ctx, zmq.ROUTER, max_message_bytes)
+            # A restarted learner reuses its identity only with a new incarnation,
+            # but let a reconnecting peer take its identity over rather than be refused.
+            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._router.setsockopt(zmq.SNDHWM, send_hwm)
+            self._router.bind(bind)
+            self._pub = _socket(self._ctx, zmq.PUB, max_message_bytes)
+            self._pub.setsockopt(zmq.SNDHWM, send_hwm)
+            self._pub.bind(pub_endpoint(bind))
         self._latest = LatestGlobals(snapshot_interval_s, self.stats)
         self._leases = SlotLeases(self.stats)
 

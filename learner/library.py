@@ -156,7 +156,15 @@ class DecoupledDiLoCo:
 
     # -- joining and leaving ---------------------------------------------------
     def __enter__(self) -> DecoupledDiLoCo:
-        self.join()
+        try:
+            self.join()
+        except BaseException:
+            # ``with`` calls no __exit__ when __enter__ raises: release the sockets
+            # here (a ZeroMQ context left to the garbage collector can hang the
+            # collecting thread). Progress is not saved: nothing was trained, and
+            # the weights may not be restored yet.
+            self._disconnect(flush_timeout_s=0.0)
+            raise
         return self
 
     def __exit__(
@@ -227,8 +235,15 @@ class DecoupledDiLoCo:
             if self.comm.is_alive():
                 for p in range(self.plan.num_fragments):
                     self._send(p, self.step_count)
-            self.delivered = self.comm.stop(flush_timeout_s=self.sync_cfg.finish_timeout_s)
+        self._disconnect(flush_timeout_s=self.sync_cfg.finish_timeout_s)
         self.save_progress()
+
+    def _disconnect(self, flush_timeout_s: float) -> None:
+        """Deliver what is queued (up to the timeout), stop the comm thread, close
+        the transport."""
+        self._closed = True
+        if self.comm is not None:
+            self.delivered = self.comm.stop(flush_timeout_s=flush_timeout_s)
         # Never close sockets under a comm thread that still uses them.
         if self.transport is not None and (self.comm is None or not self.comm.is_alive()):
             self.transport.close()
