@@ -2,9 +2,11 @@
 
 A learner reports ``delta = Theta(base) - theta_m`` against the global version
 it started from. The syncer rebuilds ``theta_m = Theta(base) - delta`` and takes
-the outer gradient against the *current* global, ``g_m = Theta(current) -
-theta_m``, so a learner that is a version or two behind contributes exactly
-what it would have contributed by sending its weights.
+the outer gradient against the *current* global, so a learner that is a
+version or two behind contributes exactly what it would have contributed by
+sending its weights: here ``shift_m + delta_m``, the shift of its base to the
+current version; the merge adds the master's lead over that version
+(docs/design.md, rule 1).
 """
 
 from __future__ import annotations

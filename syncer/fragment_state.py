@@ -100,9 +100,10 @@ class FragmentState:
     Two copies of the weights: the fp32 master (:attr:`master`), which the
     outer optimizer steps, and the published versions (:attr:`versions`),
     exactly as learners decode them (they differ only with a lossy global
-    codec). Rebasing uses the published versions, so a learner's weights are
-    rebuilt bit for bit and the master's lead (the global codec's rounding
-    error, which goes out with the next change) never enters a gradient.
+    codec). A learner's weights are rebuilt bit for bit from the published
+    version it holds, and its gradient is taken against the master (rule 1 of
+    docs/design.md: the master's lead, the global codec's rounding error not
+    yet published, enters every gradient).
     """
 
     def __init__(

@@ -139,6 +139,7 @@ def close_int2(
     rows: np.ndarray,
     fractions: np.ndarray,
     dense: np.ndarray,
+    rebase: np.float32,
     share: np.float32,
     lr: np.float32,
     mu: np.float32,
@@ -153,13 +154,16 @@ def close_int2(
 ) -> tuple[bool, np.float32, np.float32]:
     """One outer step of a fragment, and the int2 change that publishes it.
 
-    The update is ``sum_m fractions[m] delta_m + dense``, times ``share``.
-    Delta m is row ``rows[m]`` of ``codes`` (int2 codes, four per byte as in a
-    payload) times the same row of ``scales`` (one per block of
-    :data:`BLOCK`); ``dense`` (empty for none) holds everything else, already
-    weighted (deltas of other codecs, shifts of older bases to ``previous``,
-    the current version). Then ``b = mu * momentum + update`` (``update`` alone when
-    ``momentum`` is empty), ``new_master = master - lr * (update + mu * b)``
+    The update is ``sum_m fractions[m] delta_m + dense + rebase * (master -
+    previous)``, times ``share``. Delta m is row ``rows[m]`` of ``codes``
+    (int2 codes, four per byte as in a payload) times the same row of
+    ``scales`` (one per block of :data:`BLOCK`); ``dense`` (empty for none)
+    holds everything else, already weighted (deltas of other codecs, shifts
+    of older bases to ``previous``, the current version); ``rebase`` is the
+    deltas' total fraction, whose gradients are all taken against the master,
+    which leads ``previous`` (docs/design.md, rule 1). Then ``b = mu *
+    momentum + update`` (``update`` alone when ``momentum`` is empty),
+    ``new_master = master - lr * (update + mu * b)``
     (``new_master`` and ``new_momentum`` empty: both written into ``master``
     and ``momentum``, or into ``new_momentum`` where ``momentum`` is empty),
     and the change ``new_master - previous`` is quantised into ``new_scales``
@@ -207,7 +211,7 @@ def close_int2(
             inputs,
             outputs,
             (scales, codes, rows, fractions, new_scales, new_codes, start // BLOCK),
-            (share, lr, mu),
+            (rebase, share, lr, mu),
             (deltas, has_momentum, has_dense, in_place),
             scratch,
             per_block,
@@ -229,11 +233,11 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
     weights, base, momentum, dense = inputs  # the tile's master, version, momentum, dense
     stepped, buffers, version = outputs  # its new master, momentum and version
     scales, codes, rows, fractions, new_scales, new_codes, first = blocks
-    share, lr, mu = factors
+    rebase, share, lr, mu = factors
     deltas, has_momentum, has_dense, in_place = shape
     update, moved, levels = scratch[0], scratch[1], scratch[2]
     field_bytes = fields[0].view(np.uint8)
-    # -- the merged update
+    # -- the merged update (the master's lead is added in the step below)
     if has_dense:
         for j in range(TILE):
             update[j] = dense[j]
@@ -338,18 +342,21 @@ def _step_tile(
     change from ``base`` into ``moved``. Inlined, so an output that is an input
     (in place) is the same array to the compiler, and the loop is vectorised."""
     for j in range(TILE):
-        value, buffer = _outer_step(update[j], weights[j], momentum[j], has_momentum, factors)
+        value, buffer = _outer_step(
+            update[j], weights[j], base[j], momentum[j], has_momentum, factors
+        )
         new_weights[j] = value
         new_momentum[j] = buffer
         moved[j] = value - base[j]
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"}, inline="always")
-def _outer_step(update, weights, momentum, has_momentum, factors):
-    """One value's new master and momentum: the update, scaled by the share,
-    into Nesterov momentum (the step itself before the first step)."""
-    share, lr, mu = factors
-    step = update * share
+def _outer_step(update, weights, base, momentum, has_momentum, factors):
+    """One value's new master and momentum: the update with the master's lead
+    over the version, scaled by the share, into Nesterov momentum (the step
+    itself before the first step)."""
+    rebase, share, lr, mu = factors
+    step = (update + rebase * (weights - base)) * share
     buffer = mu * momentum + step if has_momentum else step
     return weights - lr * (step + mu * buffer), buffer
 
@@ -370,7 +377,7 @@ def warm_up() -> None:
     empty = np.empty(0, dtype=np.float32)
     close_int2(
         scales, codes, np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.float32), empty,
-        one, one, one, values, empty, values,
+        one, one, one, one, values, empty, values,
         np.empty_like(values), np.empty_like(values), np.empty_like(values),
         np.empty_like(scales[0]), np.empty_like(codes[0]),
     )  # fmt: skip

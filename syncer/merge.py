@@ -3,9 +3,11 @@
 :class:`TorchMerge` merges any codec's deltas with any aggregator, chunk by
 chunk in torch; :class:`CompiledMerge` closes a round of int2 globals merged
 by the mean in one compiled pass (:mod:`syncer.kernels`). Both take the
-round's deltas with their shares, rebase each on the published version
-(:meth:`syncer.versions.Versions.shift`) and step the fp32 master with
-Nesterov momentum; neither does I/O.
+round's deltas with their shares, take each one's gradient against the fp32
+master (the shift of its base to the published version,
+:meth:`syncer.versions.Versions.shift`, plus the master's lead over that
+version: docs/design.md, rule 1) and step the master with Nesterov momentum;
+neither does I/O.
 """
 
 from __future__ import annotations
@@ -113,7 +115,10 @@ class TorchMerge:
         numel = state.master.numel()
         parts, fractions = merged.parts, merged.fractions
         shifts = [self.versions.shift(c.base_version)[0] for c in parts]
-        whole = None if o.aggregation == "mean" else self._robust(merged)
+        lead = state.master - self.versions.current  # the master's lead over the version
+        whole = None if o.aggregation == "mean" else self._robust(merged, lead)
+        # Every gradient is taken against the master: the lead, once per delta's share.
+        rebase = sum(fractions) if whole is None else 0.0
         master = torch.empty(numel, dtype=torch.float32)
         momentum = self._spare_momentum
         if momentum is None:
@@ -127,6 +132,7 @@ class TorchMerge:
                 sliced = {id(s): s[part] for s in shifts if s is not None}
                 on = [None if s is None else sliced[id(s)] for s in shifts]
                 grad = accumulate_rebased(deltas, on, fractions, scratch[: deltas[0].numel()])
+                grad.add_(lead[part], alpha=rebase)
             else:
                 grad = whole[part]
             if merged.share is not None:
@@ -139,12 +145,13 @@ class TorchMerge:
         version, publication = canonical(self.codec, master, self.versions.current)
         return Stepped(master, momentum, version, publication)
 
-    def _robust(self, merged: Round) -> torch.Tensor:
+    def _robust(self, merged: Round, lead: torch.Tensor) -> torch.Tensor:
         """The robust aggregators' merged update, over whole fragments."""
         grads = []
         for t in merged.terms:
             shifts = [self.versions.shift(c.base_version)[0] for c in t.parts]
-            grads.append(accumulate_rebased([c.tensor for c in t.parts], shifts, t.part_shares()))
+            rebased = accumulate_rebased([c.tensor for c in t.parts], shifts, t.part_shares())
+            grads.append(rebased.add_(lead))
         aggregation = self.outer.aggregation
         if aggregation == "radial":
             return radial_directional_mean(grads, merged.weights)
@@ -236,15 +243,22 @@ class CompiledMerge:
         # master and momentum are stepped in place, since the state can no
         # longer be broken.
         share = 1.0 if merged.share is None else merged.share
-        update_bound = share * sum(
-            fraction * (c.magnitude + self.shift_magnitude(c.base_version))
-            for c, fraction in zip(merged.parts, merged.fractions, strict=True)
+        # Every gradient is taken against the master: its lead over the
+        # version, once per delta's share (in the kernel's step).
+        rebase = sum(merged.fractions)
+        previous_magnitude = versions.magnitude(versions.version)
+        lead_bound = self._master_bound(state) + previous_magnitude
+        update_bound = share * (
+            rebase * lead_bound
+            + sum(
+                fraction * (c.magnitude + self.shift_magnitude(c.base_version))
+                for c, fraction in zip(merged.parts, merged.fractions, strict=True)
+            )
         )
         momentum_bound = o.outer_momentum * self._momentum_bound(state) + update_bound
         master_bound = self._master_bound(state) + o.outer_lr * (
             update_bound + o.outer_momentum * momentum_bound
         )
-        previous_magnitude = versions.magnitude(versions.version)
         in_place = max(master_bound + previous_magnitude, momentum_bound) < SAFE_MAGNITUDE and all(
             state.master is not w for _, w in versions.history.items()
         )
@@ -269,6 +283,7 @@ class CompiledMerge:
             np.array([delta.row.index for delta in packed], dtype=np.int64),
             np.array(factors, dtype=np.float32),
             merged_dense.numpy(),
+            np.float32(rebase),
             np.float32(share),
             np.float32(o.outer_lr),
             np.float32(o.outer_momentum),

@@ -838,9 +838,9 @@ def test_deltas_on_different_bases_are_both_merged() -> None:
 
 def test_lossy_downlink_keeps_the_outer_optimizer_in_fp32() -> None:
     """With int8 globals, the master follows the fp32 Nesterov trajectory of the
-    outer gradients taken against the published version (the learners' exact
-    weights, base as decoded minus the delta), and what is
-    published is the previous version plus the int8 image of the change."""
+    outer gradients taken against the master, from the learners' exact weights
+    (base as decoded, minus the delta), and what is published is the previous
+    version plus the int8 image of the change."""
     rng = np.random.default_rng(1)
     w0 = rng.normal(0, 0.02, N)
     lr, mu = 0.7, 0.9
@@ -856,7 +856,7 @@ def test_lossy_downlink_keeps_the_outer_optimizer_in_fp32() -> None:
         d = rng.normal(0, 1e-3, N)
         assert offer(state, delta("a", k, state.version, step=k, c_steps=1), d) == ACCEPTED
         state.close(T1)
-        g = base - (base - d)  # against the current version, as learners hold it
+        g = master - (base - d)  # against the master, from the weights learners hold
         buf = g if buf is None else mu * buf + g
         master = master - lr * (g + mu * buf)
         np.testing.assert_allclose(np64(state.master), master, atol=1e-6)

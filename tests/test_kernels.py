@@ -329,12 +329,13 @@ def test_rows_of_packed_deltas_come_back_when_their_deltas_go() -> None:
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_rebasing_is_against_the_published_version_as_the_design_says(compiled: bool) -> None:
+def test_gradients_are_taken_against_the_master_as_the_design_says(compiled: bool) -> None:
     """docs/design.md, rule 1, written independently here in float64: with int2
-    globals the outer gradient of a delta on base b is Theta(current) -
-    (Theta(b) - Delta), Theta the published versions, never the fp32 master
-    (which leads the current version by the rounding error still to publish).
-    lr 1 and no momentum: the master moves by exactly the merged gradient."""
+    globals the outer gradient of a delta on base b is master - (Theta(b) -
+    Delta): the learner's weights rebuilt from the published version it holds,
+    the gradient taken against the fp32 master (which leads the current
+    version by the rounding error still to publish). lr 1 and no momentum: the
+    master moves by exactly the merged gradient."""
     numel = 4096 + 100
     state = FragmentState(
         0, torch.randn(numel, generator=torch.Generator().manual_seed(3)),
@@ -363,6 +364,6 @@ def test_rebasing_is_against_the_published_version_as_the_design_says(compiled: 
         v: d.codec.decode(d.payload, numel).double() for v, d in ((current, d_now), (behind, d_old))
     }
     # Equal token-step weights: the merged gradient is the mean of the two.
-    g = [theta[current] - (theta[v] - deltas[v]) for v in (current, behind)]
+    g = [master - (theta[v] - deltas[v]) for v in (current, behind)]
     expected = master - (g[0] + g[1]) / 2
     torch.testing.assert_close(state.master.double(), expected, rtol=0, atol=1e-5)
