@@ -115,10 +115,11 @@ class TorchMerge:
         numel = state.master.numel()
         parts, fractions = merged.parts, merged.fractions
         shifts = [self.versions.shift(c.base_version)[0] for c in parts]
-        lead = state.master - self.versions.current  # the master's lead over the version
-        whole = None if o.aggregation == "mean" else self._robust(merged, lead)
-        # Every gradient is taken against the master: the lead, once per delta's share.
-        rebase = sum(fractions) if whole is None else 0.0
+        current = self.versions.current
+        whole = None if o.aggregation == "mean" else self._robust(merged, state.master)
+        # Every gradient is taken against the master: its lead over the version,
+        # once per delta's share.
+        rebase = sum(fractions)
         master = torch.empty(numel, dtype=torch.float32)
         momentum = self._spare_momentum
         if momentum is None:
@@ -132,7 +133,7 @@ class TorchMerge:
                 sliced = {id(s): s[part] for s in shifts if s is not None}
                 on = [None if s is None else sliced[id(s)] for s in shifts]
                 grad = accumulate_rebased(deltas, on, fractions, scratch[: deltas[0].numel()])
-                grad.add_(lead[part], alpha=rebase)
+                grad.add_(state.master[part] - current[part], alpha=rebase)
             else:
                 grad = whole[part]
             if merged.share is not None:
@@ -145,8 +146,9 @@ class TorchMerge:
         version, publication = canonical(self.codec, master, self.versions.current)
         return Stepped(master, momentum, version, publication)
 
-    def _robust(self, merged: Round, lead: torch.Tensor) -> torch.Tensor:
+    def _robust(self, merged: Round, master: torch.Tensor) -> torch.Tensor:
         """The robust aggregators' merged update, over whole fragments."""
+        lead = master - self.versions.current  # the master's lead over the version
         grads = []
         for t in merged.terms:
             shifts = [self.versions.shift(c.base_version)[0] for c in t.parts]
