@@ -35,7 +35,7 @@ except ImportError:  # a platform without isal's wheel
 
 # 2: globals carry their syncer epoch, deltas their base's; 3: a global may be a
 # change, and names the checksum of the weights it makes
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MAGIC = b"DDL1"
 _PREFIX = struct.Struct("<4sII")
 _CRC = struct.Struct("<I")
@@ -48,6 +48,9 @@ _U63 = 2**63 - 1
 _ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _HASH_RE = re.compile(r"^[0-9a-f]{16}$")
 _REASON_RE = re.compile(r"^[a-z0-9_]{1,32}$")
+_SIGNATURE_RE = re.compile(r"^([0-9a-f]{128})?$")  # Ed25519, hex; empty: unsigned
+_KEY_RE = re.compile(r"^[0-9a-f]{64}$")  # a 32-byte public key or digest, hex
+ROLES = ("learner", "reader")
 
 
 # -- field checks -----------------------------------------------------------
@@ -93,6 +96,21 @@ def _check_reason(name: str, v: Any) -> None:
         raise WireError("bad_field", f"{name} must be 1-32 chars of [a-z0-9_]")
 
 
+def _check_signature(name: str, v: Any) -> None:
+    if not isinstance(v, str) or not _SIGNATURE_RE.match(v):
+        raise WireError("bad_field", f"{name} must be 128 hex digits or empty")
+
+
+def _check_key(name: str, v: Any) -> None:
+    if not isinstance(v, str) or not _KEY_RE.match(v):
+        raise WireError("bad_field", f"{name} must be 64 hex digits")
+
+
+def _check_role(name: str, v: Any) -> None:
+    if v not in ROLES:
+        raise WireError("bad_field", f"{name} must be one of {ROLES}")
+
+
 def _check_codec(name: str, v: Any) -> None:
     if not isinstance(v, Codec):  # __post_init__ parsed the name; this is a wrong type
         raise WireError("bad_codec", f"{name} must be a codec")
@@ -127,6 +145,10 @@ _CHECKS = {
     "held_slot": _check_slot,
     "slot": _check_uint,
     "ttl_s": _check_time,
+    "signature": _check_signature,
+    "key": _check_key,
+    "proof": _check_key,
+    "role": _check_role,
 }
 
 
@@ -238,6 +260,10 @@ class GlobalFragment(_TensorMessage):
     # CRC-32 of the fp32 bytes of this version's weights (weights_checksum): a
     # receiver whose rebuilt version differs notices, and fetches the snapshot.
     weights_crc: int = 0
+    # The syncers' Ed25519 signature (hex) of everything above and the payload
+    # (broker.keys.signing_digest); learners with the run's keys check it
+    # before anything is applied. Empty: unsigned (a run without keys).
+    signature: str = ""
 
     def validate(self) -> None:
         super().validate()
@@ -256,7 +282,7 @@ class GlobalFragment(_TensorMessage):
 
     def without_weights(self) -> GlobalFragment:
         """This version's answer to a learner that holds its weights."""
-        return replace(self, codec=Codec(), numel=0, payload=b"", change_from=-1)
+        return replace(self, codec=Codec(), numel=0, payload=b"", change_from=-1, signature="")
 
     def with_weights(self, weights: torch.Tensor) -> GlobalFragment:
         """A weightless answer completed with the weights the learner holds: the
@@ -341,6 +367,21 @@ class Refusal(Message):
 
 
 @dataclass(frozen=True)
+class Enroll(Message):
+    """Learner -> syncer: admit ``key`` (the learner's own public key; over ZeroMQ
+    the CURVE key the message comes on) to the run in ``role``. ``proof`` is
+    HMAC-SHA256 of the run id, key and role under the run's join secret
+    (:func:`broker.keys.enroll_proof`): only a holder of the secret can make one,
+    and it is good for that key alone."""
+
+    KIND: ClassVar[str] = "enroll"
+    run_id: str = ""
+    key: str = ""
+    role: str = "learner"
+    proof: str = ""
+
+
+@dataclass(frozen=True)
 class LeaseRequest(Message):
     """Learner -> the first syncer: take or renew a learner slot for ``holder``
     for ``ttl_s`` (see ``LearnerTransport.lease``); ``held_slot`` is the slot
@@ -372,6 +413,7 @@ KINDS: dict[str, type[Message]] = {
         Ack,
         SnapshotRequest,
         Refusal,
+        Enroll,
         LeaseRequest,
         LeaseGrant,
     )

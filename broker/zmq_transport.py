@@ -39,6 +39,8 @@ import zmq
 
 from broker import wire
 from broker.config_checks import check_positive, require
+from broker.keys import GlobalSigner, GlobalVerifier, Identity, RunKeys, enroll_proof
+from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import (
     MAX_LEARNER_SLOTS,
     Backpressure,
@@ -53,6 +55,7 @@ from broker.transport import (
 from broker.wire import (
     Ack,
     Delta,
+    Enroll,
     GlobalFragment,
     Heartbeat,
     LeaseGrant,
@@ -61,6 +64,7 @@ from broker.wire import (
     SnapshotRequest,
     WireError,
 )
+from broker.zmq_auth import GLOBALS_DOMAIN, REQUESTS_DOMAIN, Members, ZapHandler
 
 log = logging.getLogger(__name__)
 GLOBALS_TOPIC = b"g"
@@ -82,6 +86,11 @@ _JOIN_MAX_RETRY_S = 2.0
 # or a syncer restarting) is tried again this soon, without backing off: the
 # backoff is for requests that went out, whose answers are whole fragments.
 _UNSENT_RETRY_S = 0.02
+# With keys: how often a learner repeats its enrollment (tiny) when nothing
+# else carried it, so a restarted syncer admits its subscription again soon.
+_ENROLL_EVERY_S = 1.0
+# ... and how soon after a refused subscription it enrolls and subscribes again.
+_RESUBSCRIBE_AFTER_S = 0.2
 
 
 def pub_endpoint(endpoint: str) -> str:
@@ -105,14 +114,18 @@ def _socket(
 
 
 @contextmanager
-def _destroyed_on_error(ctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[None]:
-    """Destroy the context if building the sockets raises: nobody holds the
-    half-built transport to close it, and a context left to the garbage
-    collector can hang the collecting thread in zmq_ctx_term (its sockets'
-    weak references are cleared first, so nothing closes them)."""
+def _destroyed_on_error(
+    ctx: zmq.Context[zmq.Socket[bytes]], first: Callable[[], None] = lambda: None
+) -> Iterator[None]:
+    """Destroy the context if building the sockets raises (after ``first``,
+    which stops threads that hold sockets of it): nobody holds the half-built
+    transport to close it, and a context left to the garbage collector can
+    hang the collecting thread in zmq_ctx_term (its sockets' weak references
+    are cleared first, so nothing closes them)."""
     try:
         yield
     except BaseException:
+        first()
         ctx.destroy(linger=0)
         raise
 
@@ -174,8 +187,12 @@ class DeltaSender:
         max_unacked: int,
         ack_timeout_s: float,
         stats: TransportStats,
+        enroll: Callable[[int], None] = lambda owner: None,
     ) -> None:
         self._dealers = dealers
+        # Sends the learner's enrollment to a syncer before each delta: one that
+        # restarted knows no key, and would drop the delta until the next one.
+        self._enroll = enroll
         self._learner_id = learner_id
         self._incarnation = incarnation
         self._max_message_bytes = max_message_bytes
@@ -198,6 +215,7 @@ class DeltaSender:
         self._try_send(pending, time.monotonic())
 
     def _try_send(self, pending: _Pending, now: float) -> None:
+        self._enroll(pending.owner)
         try:
             _send(self._dealers[pending.owner], pending.parts)
         except zmq.Again:
@@ -390,6 +408,9 @@ class ZmqLearnerTransport(LearnerTransport):
         max_unacked: int = 64,
         ack_timeout_s: float = 5.0,
         send_hwm: int = 1000,
+        keys: RunKeys | None = None,
+        identity: Identity | None = None,
+        role: str = "learner",
     ) -> None:
         if not endpoints:
             raise ValueError("give at least one syncer endpoint")
@@ -406,14 +427,29 @@ class ZmqLearnerTransport(LearnerTransport):
         self.max_unacked = max_unacked
         self.ack_timeout_s = ack_timeout_s
         super().__init__()
+        # With the run's keys: CURVE to every syncer under this process's own
+        # key, enrolled with the join secret, and every global's signature checked.
+        self._keys = keys
+        self._identity = identity or (Identity.new() if keys else None)
+        self._verifier = GlobalVerifier(keys) if keys else None
+        self._enroll_frame = b""
+        self._last_enrolled = -math.inf
+        if keys is not None and self._identity is not None:
+            key = self._identity.key_hex
+            proof = enroll_proof(keys.join_secret, run_id, key, role)
+            self._enroll_frame = wire.encode(Enroll(run_id=run_id, key=key, role=role, proof=proof))
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._dealers: list[zmq.Socket[bytes]] = []
         self._subs: list[zmq.Socket[bytes]] = []
+        self._endpoints: list[str] = []
+        self._monitors: list[zmq.Socket[bytes] | None] = []
+        self._resubscribe_at: dict[int, float] = {}
         self._poller = zmq.Poller()
         with _destroyed_on_error(self._ctx):
             self._connect(
                 endpoints, f"{learner_id}/{incarnation}".encode(), max_message_bytes, send_hwm
             )
+        self._enroll()
         self._deltas = DeltaSender(
             self._dealers,
             learner_id,
@@ -422,6 +458,7 @@ class ZmqLearnerTransport(LearnerTransport):
             max_unacked,
             ack_timeout_s,
             self.stats,
+            self._enroll_with,
         )
         self._requests = SnapshotRequests(self._dealers, run_id, learner_id, self.stats)
         self._candidates = Candidates(
@@ -437,19 +474,80 @@ class ZmqLearnerTransport(LearnerTransport):
     ) -> None:
         for endpoint in endpoints:
             dealer = _socket(self._ctx, zmq.DEALER, max_message_bytes)
-            dealer.setsockopt(zmq.IDENTITY, identity)
+            if self._identity is None:
+                dealer.setsockopt(zmq.IDENTITY, identity)
+            # else: the syncer names the connection (no handover of a chosen id)
+            self._secure(dealer)
             # Queue nothing for a syncer that is not connected: a restarted
             # syncer gets resends from us instead of a stale backlog.
             dealer.setsockopt(zmq.IMMEDIATE, 1)
             dealer.setsockopt(zmq.SNDHWM, send_hwm)
             dealer.connect(endpoint)
-            sub = _socket(self._ctx, zmq.SUB, max_message_bytes)
-            sub.setsockopt(zmq.SUBSCRIBE, GLOBALS_TOPIC)
-            sub.connect(pub_endpoint(endpoint))
             self._poller.register(dealer, zmq.POLLIN)
-            self._poller.register(sub, zmq.POLLIN)
             self._dealers.append(dealer)
-            self._subs.append(sub)
+            self._endpoints.append(endpoint)
+            self._subs.append(self._subscribe(endpoint))
+            self._monitors.append(self._monitor(self._subs[-1]))
+
+    def _subscribe(self, endpoint: str) -> zmq.Socket[bytes]:
+        sub = _socket(self._ctx, zmq.SUB, self.max_message_bytes)
+        self._secure(sub)
+        sub.setsockopt(zmq.SUBSCRIBE, GLOBALS_TOPIC)
+        sub.connect(pub_endpoint(endpoint))
+        self._poller.register(sub, zmq.POLLIN)
+        return sub
+
+    def _monitor(self, sub: zmq.Socket[bytes]) -> zmq.Socket[bytes] | None:
+        """With keys: a syncer admits a subscription only from an enrolled key,
+        and ZeroMQ does not retry a handshake the syncer refused. A refusal
+        (the subscription raced the enrollment, or the syncer restarted) is
+        watched for, and the subscription made again (``_renew_refused``)."""
+        if self._keys is None:
+            return None
+        return sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+    def _renew_refused(self) -> None:
+        now = time.monotonic()
+        for i, monitor in enumerate(self._monitors):
+            if monitor is not None and monitor.poll(0):
+                while monitor.poll(0):
+                    monitor.recv_multipart()
+                self._resubscribe_at[i] = now + _RESUBSCRIBE_AFTER_S
+            if self._resubscribe_at.get(i, math.inf) <= now:
+                del self._resubscribe_at[i]
+                self._enroll_with(i)
+                old, self._subs[i] = self._subs[i], self._subscribe(self._endpoints[i])
+                self._poller.unregister(old)
+                old.disable_monitor()
+                old.close(linger=0)
+                if monitor is not None:
+                    monitor.close(linger=0)
+                self._monitors[i] = self._monitor(self._subs[i])
+
+    def _secure(self, sock: zmq.Socket[bytes]) -> None:
+        """CURVE client of the syncers' key, under this process's own key."""
+        if self._keys is None or self._identity is None:
+            return
+        sock.curve_serverkey = self._keys.curve_public
+        sock.curve_publickey = self._identity.public
+        sock.curve_secretkey = self._identity.secret
+
+    def _enroll(self) -> None:
+        """Enroll with every syncer (again: one that restarted knows no key).
+        Sent with heartbeats, before requests and before each delta, at most
+        every second otherwise; best effort, as they are."""
+        self._last_enrolled = time.monotonic()
+        for owner in range(len(self._dealers)):
+            self._enroll_with(owner)
+
+    def _enroll_with(self, owner: int) -> None:
+        if not self._enroll_frame:
+            return
+        try:
+            self._dealers[owner].send(self._enroll_frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        self.stats.bytes_sent += len(self._enroll_frame)
 
     @property
     def unacked(self) -> int:
@@ -469,6 +567,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self._deltas.send(delta)
 
     def send_heartbeat(self, heartbeat: Heartbeat) -> None:
+        self._enroll()
         frame = wire.encode(heartbeat)
         for dealer in self._dealers:
             try:
@@ -494,6 +593,7 @@ class ZmqLearnerTransport(LearnerTransport):
             self._requests.resync(refusal.fragment)
 
     def _drain(self, timeout_s: float) -> None:
+        self._renew_refused()
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         for sock in self._dealers + self._subs:
             if sock not in events:
@@ -506,6 +606,9 @@ class ZmqLearnerTransport(LearnerTransport):
                 frames = parts if sock in self._dealers else parts[1:]  # past the topic
                 msg = _decode(frames, self.max_message_bytes, self.stats)
                 if isinstance(msg, GlobalFragment):
+                    if self._verifier is not None and not self._verifier.verify(msg):
+                        self.stats.rejected["bad_signature"] += 1
+                        continue
                     if msg.is_weightless and sock in self._subs:
                         self._candidates.announced(msg)
                         continue
@@ -528,6 +631,8 @@ class ZmqLearnerTransport(LearnerTransport):
                     self.stats.rejected["unexpected_kind"] += 1
 
     def poll(self, timeout_s: float) -> list[GlobalFragment]:
+        if self._enroll_frame and time.monotonic() - self._last_enrolled >= _ENROLL_EVERY_S:
+            self._enroll()
         self._drain(timeout_s)
         self._deltas.resend_due()
         self._requests.retry_due()
@@ -558,6 +663,7 @@ class ZmqLearnerTransport(LearnerTransport):
             if now >= deadline:
                 break
             if now >= next_request:
+                self._enroll()
                 if self._requests.request(sorted(wanted - got.keys())):
                     next_request = now + retry_s
                     # At most 2 s apart: a syncer that starts after its learners is found soon.
@@ -588,6 +694,7 @@ class ZmqLearnerTransport(LearnerTransport):
             if now >= deadline:
                 raise TransportError(f"no learner slot from the first syncer within {timeout_s}s")
             if now >= next_request:
+                self._enroll()
                 try:
                     self._dealers[0].send(frame, zmq.NOBLOCK)  # the first syncer holds leases
                 except zmq.Again:
@@ -611,17 +718,23 @@ class SlotLeases:
 
     def __init__(self, stats: TransportStats) -> None:
         self._stats = stats
-        self._leases: dict[int, tuple[str, float]] = {}  # slot -> (holder, expiry)
+        self._leases: dict[int, tuple[str, str, float]] = {}  # slot -> (holder, key, expiry)
         self._started = time.monotonic()
 
-    def grant(self, req: LeaseRequest) -> int | None:
-        """The slot ``req`` gets, or None when it gets none now (it asks again)."""
+    def grant(self, req: LeaseRequest, owner: str = "") -> int | None:
+        """The slot ``req`` gets, or None when it gets none now (it asks again).
+        ``owner``: the key the request came on (with the run's keys): a lease is
+        renewed only by the key that took it, whatever holder name another uses."""
         if not lease_request_ok(req.ttl_s, req.held_slot):
             self._stats.rejected["bad_lease"] += 1
             return None
         now = time.monotonic()
-        mine = [s for s, (holder, _) in self._leases.items() if holder == req.holder]
-        taken = {s for s, (holder, expiry) in self._leases.items() if expiry > now} - set(mine)
+        mine = [
+            s
+            for s, (holder, key, _) in self._leases.items()
+            if (holder, key) == (req.holder, owner)
+        ]
+        taken = {s for s, (_, _, expiry) in self._leases.items() if expiry > now} - set(mine)
         if mine:
             slot = min(mine)
         elif req.held_slot >= 0 and req.held_slot not in taken:
@@ -636,7 +749,7 @@ class SlotLeases:
             if slot >= MAX_LEARNER_SLOTS:
                 self._stats.rejected["no_free_slot"] += 1
                 return None
-        self._leases[slot] = (req.holder, now + req.ttl_s)
+        self._leases[slot] = (req.holder, owner, now + req.ttl_s)
         return slot
 
 
@@ -693,6 +806,11 @@ class LatestGlobals:
         return out
 
 
+def _peer_key(frame: zmq.Frame) -> str:
+    """The CURVE key (z85) a frame came on: what our ZAP handler named the peer."""
+    return str(frame.get("User-Id"))
+
+
 class ZmqSyncerTransport(SyncerTransport):
     """Syncer side: a ROUTER for deltas, heartbeats and requests, a PUB for
     globals. Snapshot requests are answered from :class:`LatestGlobals`, lease
@@ -711,8 +829,12 @@ class ZmqSyncerTransport(SyncerTransport):
         # seconds, and learners retry from 0.5 s, so a short interval sent every
         # fragment again while the first answer was still on its way.
         snapshot_interval_s: float = 2.0,
+        # With keys: a learner id stays bound to its key until the key is silent this long.
+        identity_hold_s: float = GONE_AFTER_HEARTBEATS * RunSettings.heartbeat_timeout_s,
+        keys: RunKeys | None = None,
     ) -> None:
         _check_options(max_message_bytes=max_message_bytes, max_batch=max_batch, send_hwm=send_hwm)
+        check_positive("identity_hold_s", identity_hold_s)
         check_positive("snapshot_interval_s", snapshot_interval_s, allow_zero=True)
         self.snapshot_interval_s = snapshot_interval_s
         self.run_id = run_id
@@ -721,18 +843,59 @@ class ZmqSyncerTransport(SyncerTransport):
         self.max_batch = max_batch
         self.stats = TransportStats()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        with _destroyed_on_error(self._ctx):
+        self._signer = GlobalSigner(keys) if keys else None
+        self._members = Members(keys, run_id, identity_hold_s) if keys else None
+        self._zap: ZapHandler | None = None
+        with _destroyed_on_error(self._ctx, self._close_zap):
+            if self._members is not None:
+                self._zap = ZapHandler(self._ctx, self._members)
             self._router = _socket(self._ctx, zmq.ROUTER, max_message_bytes)
-            # A restarted learner reuses its identity only with a new incarnation,
-            # but let a reconnecting peer take its identity over rather than be refused.
-            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            if keys is None:
+                # A restarted learner reuses its identity only with a new incarnation,
+                # but let a reconnecting peer take its identity over rather than be
+                # refused. With keys, connections are named by the syncer: a chosen
+                # identity taken over would divert another learner's acks.
+                self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._router.setsockopt(zmq.SNDHWM, send_hwm)
+            self._curve_server(self._router, keys, REQUESTS_DOMAIN)
             self._router.bind(bind)
             self._pub = _socket(self._ctx, zmq.PUB, max_message_bytes)
             self._pub.setsockopt(zmq.SNDHWM, send_hwm)
+            self._curve_server(self._pub, keys, GLOBALS_DOMAIN)
             self._pub.bind(pub_endpoint(bind))
         self._latest = LatestGlobals(snapshot_interval_s, self.stats)
         self._leases = SlotLeases(self.stats)
+
+    @staticmethod
+    def _curve_server(sock: zmq.Socket[bytes], keys: RunKeys | None, domain: bytes) -> None:
+        if keys is None:
+            return
+        assert keys.curve_secret is not None
+        sock.curve_server = True
+        # No handshake succeeds unless our ZAP handler admits it (without
+        # this, libzmq admits everyone when no handler answers).
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        sock.curve_secretkey = keys.curve_secret
+        sock.curve_publickey = keys.curve_public
+        sock.zap_domain = domain
+
+    def _refused_by_members(self, frame: zmq.Frame, msg: wire.Message) -> bool:
+        """With keys: whether the key ``frame`` came on may not send ``msg``
+        (counted by reason); an enrollment is handled here."""
+        if self._members is None:
+            return False
+        key = _peer_key(frame)
+        if isinstance(msg, Enroll):
+            reason = self._members.enroll(key, msg)
+        elif isinstance(msg, Delta | Heartbeat):
+            reason = self._members.check(key, msg.learner_id, writes=True)
+        elif isinstance(msg, LeaseRequest):
+            reason = self._members.check(key, None, writes=True)
+        else:
+            reason = self._members.check(key, None, writes=False)
+        if reason is not None:
+            self.stats.rejected[reason] += 1
+        return reason is not None or isinstance(msg, Enroll)
 
     def receive(self, timeout_s: float) -> list[Inbound]:
         out: list[Inbound] = []
@@ -752,6 +915,8 @@ class ZmqSyncerTransport(SyncerTransport):
                 continue
             if getattr(msg, "run_id", self.run_id) != self.run_id:
                 self.stats.rejected["wrong_run"] += 1
+            elif self._refused_by_members(parts[1], msg):
+                continue
             elif isinstance(msg, Delta):
                 if msg.fragment in self.fragments:
                     out.append(Inbound(msg, identity))
@@ -760,10 +925,13 @@ class ZmqSyncerTransport(SyncerTransport):
             elif isinstance(msg, Heartbeat):
                 out.append(Inbound(msg))
             elif isinstance(msg, SnapshotRequest):
-                for answer in self._latest.answers(identity, msg):
+                # With keys a peer is its key, which it cannot change at will.
+                peer = _peer_key(parts[1]).encode() if self._members else identity
+                for answer in self._latest.answers(peer, msg):
                     self._send_to(identity, answer)
             elif isinstance(msg, LeaseRequest):
-                self._answer_lease(identity, msg)
+                owner = _peer_key(parts[1]) if self._members else ""
+                self._answer_lease(identity, msg, owner)
             else:
                 self.stats.rejected["unexpected_kind"] += 1
         return out
@@ -776,8 +944,8 @@ class ZmqSyncerTransport(SyncerTransport):
         self.stats.bytes_sent += sum(len(part) for part in parts)
         self.stats.messages_sent += 1
 
-    def _answer_lease(self, identity: bytes, req: LeaseRequest) -> None:
-        slot = self._leases.grant(req)
+    def _answer_lease(self, identity: bytes, req: LeaseRequest, owner: str) -> None:
+        slot = self._leases.grant(req, owner)
         if slot is not None:
             grant = LeaseGrant(run_id=self.run_id, holder=req.holder, slot=slot)
             self._send_to(identity, (wire.encode(grant),))
@@ -808,17 +976,20 @@ class ZmqSyncerTransport(SyncerTransport):
         refusal = Refusal.of(d, reason)
         self._send_to(item.token, (wire.encode(refusal),))
 
+    def _signed(self, fragment: GlobalFragment) -> GlobalFragment:
+        return fragment if self._signer is None else self._signer.sign(fragment)
+
     def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
-        parts = wire.encode_parts(fragment, self.max_message_bytes)
-        self._latest.store(
-            fragment,
-            parts if snapshot is None else wire.encode_parts(snapshot, self.max_message_bytes),
-            wire.encode_parts(fragment.without_weights(), self.max_message_bytes),
-        )
+        parts = wire.encode_parts(self._signed(fragment), self.max_message_bytes)
+        whole = parts if snapshot is None else self._encoded(snapshot)
+        self._latest.store(fragment, whole, self._encoded(fragment.without_weights()))
         self._broadcast(parts)
 
+    def _encoded(self, fragment: GlobalFragment) -> Parts:
+        return wire.encode_parts(self._signed(fragment), self.max_message_bytes)
+
     def announce(self, fragment: GlobalFragment) -> None:
-        self._broadcast(wire.encode_parts(fragment.without_weights(), self.max_message_bytes))
+        self._broadcast(self._encoded(fragment.without_weights()))
 
     def _broadcast(self, parts: Parts) -> None:
         """Send ``parts`` to every subscriber, or drop them: PUB does not block, and
@@ -830,5 +1001,10 @@ class ZmqSyncerTransport(SyncerTransport):
         self.stats.bytes_sent += sum(len(part) for part in parts)
         self.stats.messages_sent += 1
 
+    def _close_zap(self) -> None:
+        if self._zap is not None:
+            self._zap.close()  # its socket is closed by its own thread
+
     def close(self) -> None:
+        self._close_zap()
         self._ctx.destroy(linger=0)

@@ -23,6 +23,7 @@ from broker.codecs import Codec
 from broker.wire import (
     Ack,
     Delta,
+    Enroll,
     GlobalFragment,
     Heartbeat,
     Message,
@@ -135,6 +136,7 @@ def messages() -> list[Message]:
             change_from=6,
         ),
         SnapshotRequest(run_id="r", learner_id="l", fragments=[0, 2], held_crcs=[7, 2**32 - 1]),
+        Enroll(run_id="r", key="ab" * 32, role="reader", proof="cd" * 32),
     ]
 
 
@@ -290,7 +292,7 @@ def test_weights_checksum_is_the_crc_of_the_fp32_bytes() -> None:
 # -- header errors -------------------------------------------------------------
 def test_schema_and_kind_errors() -> None:
     h, p = header_of(delta())
-    for v in (0, 1, 2, 4, -1, "3", None, True, 3.0, [3]):  # 2: before changes
+    for v in (0, 1, 2, 3, 5, -1, "4", None, True, 4.0, [4]):  # 3: before signed globals
         assert reason(frame({**h, "v": v}, p)) == "bad_schema_version", v
     no_v = {k: x for k, x in h.items() if k != "v"}
     assert reason(frame(no_v, p)) == "bad_schema_version"
@@ -520,3 +522,13 @@ def test_a_refusal_reason_is_a_short_name() -> None:
     h, _ = header_of(good)
     for bad in ("", "x" * 33, "Stale", "a b", 3, None):
         assert reason(frame({**h, "reason": bad})) == "bad_field", bad
+
+
+def test_enroll_and_signature_fields_are_checked() -> None:
+    enroll = messages()[-1]
+    h, p = header_of(enroll)
+    for name, bad in (("key", "AB" * 32), ("key", "ab"), ("proof", 7), ("role", "admin")):
+        assert reason(frame({**h, name: bad}, p)) == "bad_field", (name, bad)
+    g, gp = header_of(next(m for m in messages() if isinstance(m, GlobalFragment)))
+    for bad in ("ab", "g" * 128, 5, "AB" * 64):
+        assert reason(frame({**g, "signature": bad}, gp)) == "bad_field", bad

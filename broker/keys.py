@@ -1,0 +1,366 @@
+"""The run's keys, and who holds which (docs/security.md).
+
+``ddiloco keys --out DIR`` makes a run's key folder; every file is 0600::
+
+    join.secret        32 random bytes, hex: enrolls a process in the run
+                       (learners, evaluators and syncers hold it)
+    syncer.curve       the syncers' CURVE secret key, z85          (syncers only)
+    syncer.curve.pub   its public key, z85                         (everyone)
+    signing.key        the syncers' Ed25519 signing key, hex       (syncers only)
+    signing.pub        Ed25519 public keys that sign globals, hex,
+                       one per line, the newest last               (everyone)
+    revoked            learner ids shut out of the run, one per line
+                       (``ddiloco keys revoke ID``; syncers read it)
+
+A learner's identity is its own key pair, made when it starts (kept in its
+``state_dir`` when it has one, so a restart is the same learner): it enrolls
+with a proof made from the join secret (:func:`enroll_proof`), and the syncer
+binds its learner id and slot to that key. Replicas of one service share
+their mounts, so identity cannot be a file handed to each of them.
+
+Globals are signed (:class:`GlobalSigner`) by every syncer of the run with
+the one run signing key, and learners check each one (:class:`GlobalVerifier`)
+before anything is applied. Rotation adds a key to ``signing.pub`` first,
+then replaces ``signing.key``: learners accept every key listed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import msgpack
+import zmq
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+from zmq.utils import z85
+
+from broker.errors import ConfigError
+from broker.wire import GlobalFragment
+
+log = logging.getLogger(__name__)
+
+JOIN_SECRET = "join.secret"
+CURVE_SECRET = "syncer.curve"
+CURVE_PUBLIC = "syncer.curve.pub"
+SIGNING_KEY = "signing.key"
+SIGNING_PUBLIC = "signing.pub"
+REVOKED = "revoked"
+# What each role needs to start; a missing file is named in the error.
+NEEDED = {
+    "syncer": (JOIN_SECRET, CURVE_SECRET, CURVE_PUBLIC, SIGNING_KEY, SIGNING_PUBLIC),
+    "learner": (JOIN_SECRET, CURVE_PUBLIC, SIGNING_PUBLIC),
+    "reader": (JOIN_SECRET, CURVE_PUBLIC, SIGNING_PUBLIC),
+}
+_DIGEST_DOMAIN = b"ddiloco global v1\0"
+_ENROLL_DOMAIN = b"ddiloco enroll v1\0"
+_MAX_KEY_FILE_BYTES = 64 * 1024
+
+
+def _write_secret(path: Path, text: str) -> None:
+    """Write ``text`` to a new 0600 file (never readable by others, not even briefly)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read(folder: Path, name: str) -> str:
+    path = folder / name
+    try:
+        mode = path.stat().st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO) and name not in (CURVE_PUBLIC, SIGNING_PUBLIC):
+            raise ConfigError(
+                f"{path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 it"
+            )
+        with path.open("rb") as f:
+            data = f.read(_MAX_KEY_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no {name} in the run's key folder {folder}: make the keys with "
+            f"`ddiloco keys --out {folder}`, or run with --insecure (no keys: anyone "
+            "who reaches the ports can read and steer the run)"
+        ) from None
+    if len(data) > _MAX_KEY_FILE_BYTES:
+        raise ConfigError(f"{path}: larger than {_MAX_KEY_FILE_BYTES} bytes, not a key file")
+    return data.decode("ascii", errors="replace").strip()
+
+
+def _hex_bytes(folder: Path, name: str, size: int) -> bytes:
+    text = _read(folder, name)
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        value = b""
+    if len(value) != size:
+        raise ConfigError(f"{folder / name}: expected {2 * size} hex digits")
+    return value
+
+
+def _curve_key(folder: Path, name: str) -> bytes:
+    text = _read(folder, name).encode()
+    if len(text) != 40:
+        raise ConfigError(f"{folder / name}: expected a 40-character z85 CURVE key")
+    return text
+
+
+def _public_keys(folder: Path) -> tuple[Ed25519PublicKey, ...]:
+    keys = []
+    for line in _read(folder, SIGNING_PUBLIC).splitlines():
+        if line.strip():
+            try:
+                keys.append(Ed25519PublicKey.from_public_bytes(bytes.fromhex(line.strip())))
+            except ValueError:
+                raise ConfigError(
+                    f"{folder / SIGNING_PUBLIC}: {line[:20]!r}... is no key"
+                ) from None
+    if not keys:
+        raise ConfigError(f"{folder / SIGNING_PUBLIC}: lists no key")
+    return tuple(keys)
+
+
+def _raw_public(key: Ed25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def _raw_private(key: Ed25519PrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.Raw,
+        serialization.PrivateFormat.Raw,
+        serialization.NoEncryption(),
+    )
+
+
+def make_keys(folder: str | Path, *, overwrite: bool = False) -> Path:
+    """Make a run's key folder (0700, every file 0600); refuses to replace one
+    unless ``overwrite``: the keys of a running run must rotate, not vanish."""
+    out = Path(folder)
+    if (out / JOIN_SECRET).exists() and not overwrite:
+        raise ConfigError(f"{out} holds a run's keys already; rotate them (`ddiloco keys rotate`)")
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o700)
+    curve_public, curve_secret = zmq.curve_keypair()
+    signing = Ed25519PrivateKey.generate()
+    _write_secret(out / JOIN_SECRET, secrets.token_hex(32) + "\n")
+    _write_secret(out / CURVE_SECRET, curve_secret.decode() + "\n")
+    _write_secret(out / CURVE_PUBLIC, curve_public.decode() + "\n")
+    _write_secret(out / SIGNING_KEY, _raw_private(signing).hex() + "\n")
+    _write_secret(out / SIGNING_PUBLIC, _raw_public(signing).hex() + "\n")
+    _write_secret(out / REVOKED, "")
+    return out
+
+
+def rotate_signing_key(folder: str | Path) -> str:
+    """A new signing key: its public half is listed beside the old ones first
+    (learners that re-read the list accept both), then syncers sign with it.
+    Returns the new public key, hex."""
+    out = Path(folder)
+    old = _read(out, SIGNING_PUBLIC)
+    signing = Ed25519PrivateKey.generate()
+    new_public = _raw_public(signing).hex()
+    _write_secret(out / SIGNING_PUBLIC, f"{old}\n{new_public}\n")
+    _write_secret(out / SIGNING_KEY, _raw_private(signing).hex() + "\n")
+    return new_public
+
+
+def revoke(folder: str | Path, learner_id: str) -> None:
+    """Add ``learner_id`` to the revoked list the syncers read."""
+    out = Path(folder)
+    path = out / REVOKED
+    listed = path.read_text().split() if path.exists() else []
+    if learner_id not in listed:
+        _write_secret(path, "".join(f"{x}\n" for x in [*listed, learner_id]))
+
+
+def read_revoked(folder: Path) -> frozenset[str]:
+    path = folder / REVOKED
+    if not path.exists():
+        return frozenset()
+    return frozenset(_read(folder, REVOKED).split())
+
+
+# -- roles ------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunKeys:
+    """The key folder as one role sees it: a learner or reader holds the join
+    secret and the public keys, a syncer also the secret ones."""
+
+    folder: Path
+    role: str
+    join_secret: bytes
+    curve_public: bytes  # the syncers' CURVE server key, z85
+    verify_keys: tuple[Ed25519PublicKey, ...]
+    curve_secret: bytes | None = None
+    signing_key: Ed25519PrivateKey | None = None
+
+    @classmethod
+    def load(cls, folder: str | Path, role: str) -> RunKeys:
+        """The keys ``role`` needs from ``folder``; :class:`ConfigError` names what is missing."""
+        where = Path(folder).expanduser()
+        if role not in NEEDED:
+            raise ValueError(f"role {role!r}: one of {sorted(NEEDED)}")
+        if not where.is_dir():
+            raise ConfigError(
+                f"no run key folder at {where}: make one with `ddiloco keys --out {where}`, "
+                "or run with --insecure (no keys: anyone who reaches the ports can read "
+                "and steer the run)"
+            )
+        for name in NEEDED[role]:
+            _read(where, name)  # each missing file named, in order
+        syncer = role == "syncer"
+        return cls(
+            folder=where,
+            role=role,
+            join_secret=_hex_bytes(where, JOIN_SECRET, 32),
+            curve_public=_curve_key(where, CURVE_PUBLIC),
+            verify_keys=_public_keys(where),
+            curve_secret=_curve_key(where, CURVE_SECRET) if syncer else None,
+            signing_key=(
+                Ed25519PrivateKey.from_private_bytes(_hex_bytes(where, SIGNING_KEY, 32))
+                if syncer
+                else None
+            ),
+        )
+
+    def reloaded(self) -> RunKeys:
+        """The same role's keys as the folder holds them now (after a rotation)."""
+        return RunKeys.load(self.folder, self.role)
+
+    def revoked(self) -> frozenset[str]:
+        return read_revoked(self.folder)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A process's own CURVE key pair (z85): who it is to the syncers."""
+
+    public: bytes
+    secret: bytes
+
+    @property
+    def key_hex(self) -> str:
+        return z85.decode(self.public).hex()
+
+    @classmethod
+    def new(cls) -> Identity:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    @classmethod
+    def kept_in(cls, path: Path | None) -> Identity:
+        """The identity saved at ``path`` (made there, 0600, if missing), so that a
+        restarted process is the same learner; a new one when ``path`` is None."""
+        if path is None:
+            return cls.new()
+        if path.exists():
+            secret = _read(path.parent, path.name).encode()
+            try:
+                public = zmq.curve_public(secret)
+            except (zmq.ZMQError, ValueError):
+                raise ConfigError(f"{path}: not a CURVE secret key; delete it") from None
+            return cls(public, secret)
+        identity = cls.new()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_secret(path, identity.secret.decode() + "\n")
+        return identity
+
+
+def curve_key_hex(z85_key: bytes | str) -> str:
+    """A z85 CURVE key (as ZeroMQ's ZAP names it) in the hex of :class:`~broker.wire.Enroll`."""
+    raw = z85_key.encode() if isinstance(z85_key, str) else z85_key
+    return z85.decode(raw).hex()
+
+
+def enroll_proof(join_secret: bytes, run_id: str, key_hex: str, role: str) -> str:
+    """HMAC-SHA256 of run, key and role under the join secret, hex."""
+    message = _ENROLL_DOMAIN + f"{run_id}\0{key_hex}\0{role}".encode()
+    return hmac.new(join_secret, message, hashlib.sha256).hexdigest()
+
+
+def proof_ok(join_secret: bytes, run_id: str, key_hex: str, role: str, proof: str) -> bool:
+    return hmac.compare_digest(enroll_proof(join_secret, run_id, key_hex, role), proof)
+
+
+# -- signed globals ---------------------------------------------------------
+_SIGNED_FIELDS = tuple(
+    f.name for f in fields(GlobalFragment) if f.name not in ("payload", "signature")
+)
+
+
+def signing_digest(g: GlobalFragment) -> bytes:
+    """SHA-256 over every field of ``g`` but the signature, and the payload's
+    SHA-256: what the signature covers."""
+    values = [g.codec.name if name == "codec" else getattr(g, name) for name in _SIGNED_FIELDS]
+    head = msgpack.packb(values, use_bin_type=True)
+    payload = hashlib.sha256(g.payload).digest()
+    return hashlib.sha256(_DIGEST_DOMAIN + head + payload).digest()
+
+
+class GlobalSigner:
+    """Signs every global a syncer publishes with the run's signing key."""
+
+    def __init__(self, keys: RunKeys) -> None:
+        if keys.signing_key is None:
+            raise ConfigError(f"{keys.folder}: a syncer needs {SIGNING_KEY}")
+        self._keys = keys
+
+    def sign(self, g: GlobalFragment) -> GlobalFragment:
+        assert self._keys.signing_key is not None
+        return replace(g, signature=self._keys.signing_key.sign(signing_digest(g)).hex())
+
+    def reload(self) -> None:
+        """Sign with the folder's current key from now on (a rotation)."""
+        self._keys = self._keys.reloaded()
+
+
+class GlobalVerifier:
+    """Checks globals against the keys in ``signing.pub``. The list is read again
+    (at most every ``reread_s``) when a signature fails: a rotation adds the new
+    key to the list before any syncer signs with it."""
+
+    def __init__(self, keys: RunKeys, reread_s: float = 5.0) -> None:
+        self._keys = keys
+        self._reread_s = reread_s
+        self._last_read = 0.0
+
+    def verify(self, g: GlobalFragment) -> bool:
+        if not g.signature:
+            return False
+        digest = signing_digest(g)
+        signature = bytes.fromhex(g.signature)
+        if self._any_key(digest, signature):
+            return True
+        now = time.monotonic()
+        if now - self._last_read >= self._reread_s:
+            self._last_read = now
+            try:
+                self._keys = self._keys.reloaded()
+            except ConfigError as e:
+                log.warning("signing keys not re-read: %s", e)
+                return False
+            return self._any_key(digest, signature)
+        return False
+
+    def _any_key(self, digest: bytes, signature: bytes) -> bool:
+        for key in reversed(self._keys.verify_keys):  # the newest first
+            try:
+                key.verify(signature, digest)
+            except InvalidSignature:
+                continue
+            return True
+        return False
