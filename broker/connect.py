@@ -23,6 +23,7 @@ import redis.exceptions
 import zmq
 
 from broker.errors import ConfigError, TransportError
+from broker.keys import Identity, RunKeys
 from broker.transport import LearnerTransport, SyncerTransport
 
 SCHEMES = ("zmq", "redis", "rediss", "unix")
@@ -48,11 +49,20 @@ def _backend_classes(backend: str) -> tuple[type, type]:
     return RedisLearnerTransport, RedisSyncerTransport
 
 
+# Keyword options that are objects, given by the caller, never by a URL.
+_CALLER_OPTIONS = ("keys", "identity", "role")
+
+
 def _keyword_options(cls: type) -> dict[str, Any]:
-    """name -> type of a backend class's keyword-only constructor options."""
+    """name -> type of a backend class's keyword-only constructor options that
+    a URL may set."""
     hints = typing.get_type_hints(cls.__init__)  # type: ignore[misc]
     params = inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]
-    return {p.name: hints[p.name] for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return {
+        p.name: hints[p.name]
+        for p in params
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in _CALLER_OPTIONS
+    }
 
 
 def _options_of(backend: str) -> dict[str, Any]:
@@ -144,12 +154,18 @@ def connect_learner(
     incarnation: int,
     num_fragments: int,
     max_message_bytes: int | None = None,
+    keys: RunKeys | None = None,
+    identity: Identity | None = None,
+    role: str = "learner",
 ) -> LearnerTransport:
     """``max_message_bytes``: the frame bound the plan needs (``plan.max_message_bytes``);
-    a ``max_message_bytes`` in the URL wins."""
+    a ``max_message_bytes`` in the URL wins. ``keys``: the run's keys as a
+    learner (or ``role="reader"``) holds them, ``identity`` its own key pair
+    (a new one when None); without keys the transport is in the clear
+    (``--insecure``)."""
     parsed = parse_url(url)
     cls, _ = _backend_classes(parsed.backend)
-    options = _options_for(cls, parsed)
+    options = _options_for(cls, parsed) | {"keys": keys, "identity": identity, "role": role}
     if max_message_bytes is not None:
         options.setdefault("max_message_bytes", max_message_bytes)
     # ZeroMQ talks to every syncer endpoint; Redis to one server.
@@ -169,11 +185,13 @@ def connect_syncer(
     syncer_id: str,
     fragments: list[int],
     max_message_bytes: int | None = None,
+    keys: RunKeys | None = None,
 ) -> SyncerTransport:
-    """``max_message_bytes`` as for :func:`connect_learner`."""
+    """``max_message_bytes`` as for :func:`connect_learner`; ``keys`` the run's
+    keys as a syncer holds them."""
     parsed = parse_url(url)
     _, cls = _backend_classes(parsed.backend)
-    options = _options_for(cls, parsed)
+    options = _options_for(cls, parsed) | {"keys": keys}
     if max_message_bytes is not None:
         options.setdefault("max_message_bytes", max_message_bytes)
     if parsed.backend == "zmq":

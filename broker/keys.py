@@ -280,6 +280,12 @@ class Identity:
         return identity
 
 
+def identity_path(state_dir: str | None, name: str) -> Path | None:
+    """Where a learner named ``name`` keeps its identity: beside its progress
+    in ``state_dir``; nowhere (a new identity per process) without one."""
+    return Path(state_dir) / f"{name}.identity" if state_dir else None
+
+
 def curve_key_hex(z85_key: bytes | str) -> str:
     """A z85 CURVE key (as ZeroMQ's ZAP names it) in the hex of :class:`~broker.wire.Enroll`."""
     raw = z85_key.encode() if isinstance(z85_key, str) else z85_key

@@ -21,6 +21,7 @@ from typing import Any, cast
 import redis
 from redis.typing import KeyT, StreamIdT
 
+from broker.keys import GlobalSigner, GlobalVerifier
 from broker.redis_common import (
     FIELD,
     SNAPSHOTS_UNLESS_HELD,
@@ -66,10 +67,17 @@ class GlobalsPublisher:
         globals_maxlen: int,
         max_message_bytes: int,
         stats: TransportStats,
+        signer: GlobalSigner | None = None,
+        verifier: GlobalVerifier | None = None,
     ) -> None:
         self._link = link
         self._run_id = run_id
         self._consumer = consumer
+        # With the run's keys: every global written is signed, and the snapshot
+        # keys found at start count only when signed (a forged key with a huge
+        # version would make the syncer refuse every delta as from the future).
+        self._signer = signer
+        self._verifier = verifier
         self._globals_maxlen = globals_maxlen
         self._max_message_bytes = max_message_bytes
         self._stats = stats
@@ -83,16 +91,24 @@ class GlobalsPublisher:
         for p, frame in zip(fragments, frames, strict=True):
             msg = check_frame(frame, self._max_message_bytes, self._stats) if frame else None
             if isinstance(msg, GlobalFragment) and msg.run_id == self._run_id and msg.fragment == p:
+                if self._verifier is not None and not self._verifier.verify(msg):
+                    self._stats.rejected["bad_signature"] += 1
+                    log.warning("snapshot key of fragment %d is not signed by the run: ignored", p)
+                    continue
                 found[p] = (msg.epoch, msg.version)
         return found
+
+    def _encoded(self, fragment: GlobalFragment) -> bytes:
+        signed = fragment if self._signer is None else self._signer.sign(fragment)
+        return encode_bounded(signed, self._max_message_bytes)
 
     def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None) -> None:
         """Queue ``fragment`` for the stream and ``snapshot`` (or it) for the key;
         write what is queued unless redis is away."""
         if fragment.run_id != self._run_id:
             raise ValueError(f"global of run {fragment.run_id!r} published on run {self._run_id!r}")
-        frame = encode_bounded(fragment, self._max_message_bytes)
-        whole = frame if snapshot is None else encode_bounded(snapshot, self._max_message_bytes)
+        frame = self._encoded(fragment)
+        whole = frame if snapshot is None else self._encoded(snapshot)
         self._unpublished[fragment.fragment] = (frame, whole, fragment)
         self._link.attempt(self.publish_queued)
 
@@ -100,8 +116,8 @@ class GlobalsPublisher:
         """As :meth:`publish`, with ``fragment`` without its weights to the stream."""
         if fragment.run_id != self._run_id:
             raise ValueError(f"global of run {fragment.run_id!r} announced on run {self._run_id!r}")
-        weightless = encode_bounded(fragment.without_weights(), self._max_message_bytes)
-        whole = encode_bounded(fragment, self._max_message_bytes)
+        weightless = self._encoded(fragment.without_weights())
+        whole = self._encoded(fragment)
         self._unpublished[fragment.fragment] = (weightless, whole, fragment)
         self._link.attempt(self.publish_queued)
 
@@ -112,7 +128,7 @@ class GlobalsPublisher:
         pipe = self._link.client.pipeline(transaction=True)
         for p, (frame, whole, version) in self._unpublished.items():
             pipe.set(model_key(self._run_id, p), whole)
-            weightless = encode_bounded(version.without_weights(), self._max_message_bytes)
+            weightless = self._encoded(version.without_weights())
             pipe.hset(
                 weightless_key(self._run_id, p),
                 mapping={"crc": str(version.weights_crc), "frame": weightless},
@@ -155,6 +171,7 @@ class GlobalCheck:
     num_fragments: int
     max_message_bytes: int
     stats: TransportStats
+    verifier: GlobalVerifier | None = None  # with the run's keys: signatures checked
 
     def __call__(self, frame: Any) -> GlobalFragment | None:
         msg = check_frame(frame, self.max_message_bytes, self.stats)
@@ -166,6 +183,8 @@ class GlobalCheck:
             self.stats.rejected["wrong_run"] += 1
         elif msg.fragment >= self.num_fragments:
             self.stats.rejected["wrong_fragment"] += 1
+        elif self.verifier is not None and not self.verifier.verify(msg):
+            self.stats.rejected["bad_signature"] += 1
         else:
             self.stats.messages_received += 1
             return msg

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from broker.errors import ConfigError
+from broker.keys import GlobalVerifier, Identity, RunKeys
 from broker.redis_common import (
     LEASE_SLOT,
     RedisLink,
@@ -57,7 +58,11 @@ class RedisLearnerTransport(LearnerTransport):
         max_unacked: int = 64,
         delta_stream_maxlen: int = 10_000,
         socket_timeout_s: float = 5.0,
+        keys: RunKeys | None = None,
+        identity: Identity | None = None,
+        role: str = "learner",
     ) -> None:
+        del identity, role  # Redis knows learners by their ACL user (docs/security.md)
         if num_fragments < 1:
             raise ConfigError(f"num_fragments must be >= 1, got {num_fragments}")
         if max_unacked < 1:
@@ -90,7 +95,8 @@ class RedisLearnerTransport(LearnerTransport):
             delta_stream_maxlen,
             self.stats,
         )
-        check = GlobalCheck(run_id, num_fragments, max_message_bytes, self.stats)
+        verifier = GlobalVerifier(keys) if keys is not None else None
+        check = GlobalCheck(run_id, num_fragments, max_message_bytes, self.stats, verifier)
         notices = NoticeReader(
             run_id, learner_id, incarnation, num_fragments, max_message_bytes, self.stats,
             self._refused,

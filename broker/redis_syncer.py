@@ -23,6 +23,7 @@ from typing import Any, cast
 import redis
 
 from broker.errors import ConfigError
+from broker.keys import GlobalSigner, GlobalVerifier, RunKeys
 from broker.redis_common import (
     FIELD,
     GROUP,
@@ -91,6 +92,7 @@ class RedisSyncerTransport(SyncerTransport):
         globals_maxlen: int = 1000,
         block_ms: int = 200,
         socket_timeout_s: float = 5.0,
+        keys: RunKeys | None = None,
     ) -> None:
         if not fragments or len(set(fragments)) != len(fragments) or min(fragments) < 0:
             raise ConfigError(f"fragments must be distinct non-negative ids, got {fragments}")
@@ -131,8 +133,9 @@ class RedisSyncerTransport(SyncerTransport):
         self._trimmer = DeltaTrimmer(client, run_id, consumer, group, self.fragments, self.stats)
         self._roster = HeartbeatRoster(client, run_id, max_message_bytes, self.stats)
         self._publisher = GlobalsPublisher(
-            self._link, run_id, consumer, globals_maxlen, max_message_bytes, self.stats
-        )
+            self._link, run_id, consumer, globals_maxlen, max_message_bytes, self.stats,
+            GlobalSigner(keys) if keys else None, GlobalVerifier(keys) if keys else None,
+        )  # fmt: skip
         try:
             self._deltas.ensure_groups()
         except Exception as e:

@@ -8,11 +8,15 @@ for ``ddiloco local``, ``ddiloco learner``, ``ddiloco syncer`` and the others.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from broker.codecs import Codec
 from broker.config_checks import check_id, check_positive, require
 from broker.connect import parse_url
+from broker.keys import RunKeys
+
+log = logging.getLogger(__name__)
 
 NO_BROKER = "none"  # the url of learners that have no syncer (data parallel under torchrun)
 
@@ -54,10 +58,28 @@ class RunSettings:
     # change from the one before (README: compressed downlink)
     global_codec: Codec = Codec("int2", "zstd")
     initial_model: str = "initial-model.safetensors"  # written by `ddiloco init`
+    # The run's key folder (`ddiloco keys --out DIR`): every process enrolls
+    # with it, ZeroMQ runs under CURVE, globals are signed (docs/security.md).
+    keys: str = "keys"
+    insecure: bool = False  # no keys: anyone who reaches the broker can read and steer the run
+
+    def run_keys(self, role: str) -> RunKeys | None:
+        """The keys ``role`` holds (``syncer``, ``learner``, ``reader``), or None
+        with ``insecure``, said loudly; :class:`ConfigError` names a missing key."""
+        if self.insecure:
+            log.warning(
+                "INSECURE: run %r without keys (--insecure): anyone who reaches %s can "
+                "read the model, join, and steer or stall the run",
+                self.run_id,
+                self.url,
+            )
+            return None
+        return RunKeys.load(self.keys, role)
 
     def __post_init__(self) -> None:
         check_id("run_id", self.run_id)
         require(isinstance(self.url, str), f"url={self.url!r}: must be text")
+        require(isinstance(self.keys, str) and self.keys != "", f"keys={self.keys!r}: a folder")
         if self.url != NO_BROKER:
             parse_url(self.url)  # its ValueError names the url and what to change
         for name in ("learners", "fragments", "sync_every", "steps"):

@@ -53,6 +53,11 @@ MAX_LEARNER_SLOTS = 4096
 MAX_LEASE_TTL_S = 3600.0
 
 
+def learner_id_of(slot: int) -> str:
+    """The learner id that goes with a learner slot."""
+    return f"learner-{slot}"
+
+
 def lease_request_ok(ttl_s: float, held_slot: int) -> bool:
     """Whether a lease request is within the bounds above (checked on both ends)."""
     return 0 < ttl_s <= MAX_LEASE_TTL_S and -1 <= held_slot < MAX_LEARNER_SLOTS

@@ -102,6 +102,11 @@ class Members:
             self._bound[learner_id] = key
         return None
 
+    def bind(self, key_z85: str, learner_id: str) -> None:
+        """``learner_id`` is the key's now: it holds that id's learner slot."""
+        with self._lock:
+            self._bound[learner_id] = curve_key_hex(key_z85)
+
     def admits(self, domain: bytes, key_z85: str) -> bool:
         """The ZAP decision for a handshake on ``domain`` by ``key_z85``."""
         key = curve_key_hex(key_z85)

@@ -51,6 +51,7 @@ from broker.transport import (
     TransportStats,
     candidate_order,
     lease_request_ok,
+    learner_id_of,
 )
 from broker.wire import (
     Ack,
@@ -946,6 +947,9 @@ class ZmqSyncerTransport(SyncerTransport):
 
     def _answer_lease(self, identity: bytes, req: LeaseRequest, owner: str) -> None:
         slot = self._leases.grant(req, owner)
+        if slot is not None and self._members is not None:
+            # The slot's learner id goes with it: nobody else may send as it.
+            self._members.bind(owner, learner_id_of(slot))
         if slot is not None:
             grant = LeaseGrant(run_id=self.run_id, holder=req.holder, slot=slot)
             self._send_to(identity, (wire.encode(grant),))

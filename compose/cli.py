@@ -1,6 +1,7 @@
 """``ddiloco``: one command for every service.
 
 ddiloco local      the main job: init, a syncer, M learners and an evaluator on this machine
+ddiloco keys       make a run's keys (join secret, CURVE and signing keys); revoke, rotate
 ddiloco init       write the initial global model and its fragment plan (the syncer's start)
 ddiloco syncer     one syncer
 ddiloco learner    one learner (what a container or a remote host runs)
@@ -24,6 +25,7 @@ from typing import Any
 
 from broker.cli_config import add_dataclass_args, dataclass_from_args
 from broker.errors import ConfigError, DdilocoError
+from broker.settings import RunSettings
 from compose.chaos_run import ChaosConfig, run_chaos
 from compose.reporter import ReportConfig, run_report
 from compose.throttle import ThrottleConfig
@@ -57,6 +59,29 @@ THROTTLE_ACTIONS = {
 }
 
 
+KEY_ACTIONS = ("make", "revoke", "rotate")
+
+
+def run_keys(action: str, folder: str, learner_id: str | None, force: bool) -> int:
+    """``ddiloco keys``: make a run's key folder, revoke a learner (syncers shut
+    it out within a second, no restart), or rotate the signing key."""
+    from broker import keys
+
+    if action == "make":
+        out = keys.make_keys(folder, overwrite=force)
+        print(f"run keys in {out} (0600; give learners all but syncer.curve and signing.key)")
+    elif action == "revoke":
+        if not learner_id:
+            raise ConfigError("ddiloco keys revoke LEARNER_ID: name the learner")
+        keys.RunKeys.load(folder, "learner")  # a folder that is a run's keys
+        keys.revoke(folder, learner_id)
+        print(f"{learner_id} revoked: syncers reading {folder} refuse it from now on")
+    else:
+        public = keys.rotate_signing_key(folder)
+        print(f"new signing key {public[:16]}...: listed for learners, syncers sign with it")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ddiloco", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -73,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         for name, (cls, text) in (SERVICES | TOOLS).items():
             add_dataclass_args(sub.add_parser(name, help=text), cls)
+        keys = sub.add_parser("keys", help="make a run's keys; revoke a learner; rotate keys")
+        keys.add_argument("action", nargs="?", default="make", choices=KEY_ACTIONS)
+        keys.add_argument("learner_id", nargs="?", help="the learner to revoke")
+        keys.add_argument("--keys", default=RunSettings.keys, help="the run's key folder")
+        keys.add_argument("--force", action="store_true", help="make: replace existing keys")
         throttle = sub.add_parser("throttle", help="rate limits on learners' links (tc tbf)")
         actions = throttle.add_subparsers(dest="action", required=True)
         for action, text in THROTTLE_ACTIONS.items():
@@ -85,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "local":
             return run_local(dataclass_from_args(LocalConfig, args))
+        if args.command == "keys":
+            return run_keys(args.action, args.keys, args.learner_id, args.force)
         if args.command == "report":
             return run_report(dataclass_from_args(ReportConfig, args))
         if args.command == "chaos":

@@ -54,6 +54,7 @@ from broker.cli_config import dataclass_to_args, dataclass_values
 from broker.connect import parse_url
 from broker.errors import ConfigError
 from broker.files import atomic_write
+from broker.keys import JOIN_SECRET, make_keys
 from broker.settings import NO_BROKER, RunSettings
 from compose.chaos import ChaosSchedule
 from compose.chaos_run import CHAOS_FILE, PROCESSES_FILE
@@ -168,8 +169,15 @@ class LocalRun:
             raise ConfigError(
                 f"--initial-model {initial}: no such file; write it with `ddiloco init`"
             )
+        # Likewise the run folder's own keys, made at the first start, unless
+        # the user gave a key folder (or --insecure).
+        keys = run.keys
+        if keys == RunSettings.keys and not run.insecure:
+            keys = str(self.out / "keys")
+            if not (self.out / "keys" / JOIN_SECRET).exists():
+                make_keys(keys)
         return dataclasses.replace(
-            run, url=url, quorum=quorum, initial_model=initial, run_id=self._run_id()
+            run, url=url, quorum=quorum, initial_model=initial, run_id=self._run_id(), keys=keys
         )
 
     def _run_id(self) -> str:

@@ -50,7 +50,7 @@ def batch(tokens: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.stack([tokens[s : s + SEQ_LEN] for s in starts.tolist()])
 
 
-def learn(url: str, rank: int, steps: int) -> None:
+def learn(url: str, rank: int, steps: int, keys: str) -> None:
     """The user's own loop; the library adds the ``with`` and ``sync.step``."""
     torch.set_num_threads(1)
     train, _ = corpus()
@@ -58,7 +58,7 @@ def learn(url: str, rank: int, steps: int) -> None:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(rank)
-    with DecoupledDiLoCo(model, url, learner_id=f"learner-{rank}", **SETTINGS) as sync:
+    with DecoupledDiLoCo(model, url, learner_id=f"learner-{rank}", keys=keys, **SETTINGS) as sync:
         for _ in range(sync.start_step, steps):
             ids = batch(shard, gen)
             model(input_ids=ids, labels=ids).loss.backward()
@@ -83,10 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     before = held_out_loss(model)
     with (
         tempfile.TemporaryDirectory() as workdir,
-        local_syncer(model, args.url, workdir, **SETTINGS),
+        # The run's keys are made in the work folder; learners enroll with them.
+        local_syncer(model, args.url, workdir, keys=f"{workdir}/keys", **SETTINGS),
     ):
         ctx = mp.get_context("spawn")
-        learners = [ctx.Process(target=learn, args=(args.url, r, args.steps)) for r in range(2)]
+        learners = [
+            ctx.Process(target=learn, args=(args.url, r, args.steps, f"{workdir}/keys"))
+            for r in range(2)
+        ]
         for p in learners:
             p.start()
         for p in learners:
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(p.exitcode for p in learners):
             print("a learner failed", file=sys.stderr)
             return 1
-        versions = load_global_model(model, args.url, **SETTINGS)
+        versions = load_global_model(model, args.url, keys=f"{workdir}/keys", **SETTINGS)
     tied = model.lm_head.weight is model.transformer.wte.weight
     result = {"before": before, "after": held_out_loss(model), "versions": versions, "tied": tied}
     print(json.dumps(result))

@@ -37,12 +37,12 @@ def data(seed: int, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x @ TRUE_MAP)
 
 
-def learn(url: str, rank: int, steps: int) -> None:
+def learn(url: str, rank: int, steps: int, keys: str) -> None:
     """The user's own loop; the library adds the ``with`` and ``sync.step``."""
     torch.set_num_threads(1)
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    with DecoupledDiLoCo(model, url, learner_id=f"learner-{rank}", **SETTINGS) as sync:
+    with DecoupledDiLoCo(model, url, learner_id=f"learner-{rank}", keys=keys, **SETTINGS) as sync:
         for step in range(sync.start_step, steps):
             x, y = data(seed=1000 * rank + step)  # this learner's own shard
             loss = nn.functional.mse_loss(model(x), y)
@@ -67,10 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     before = held_out_loss(model)
     with (
         tempfile.TemporaryDirectory() as workdir,
-        local_syncer(model, args.url, workdir, **SETTINGS),
+        # The run's keys are made in the work folder; learners enroll with them.
+        local_syncer(model, args.url, workdir, keys=f"{workdir}/keys", **SETTINGS),
     ):
         ctx = mp.get_context("spawn")
-        learners = [ctx.Process(target=learn, args=(args.url, r, args.steps)) for r in range(2)]
+        learners = [
+            ctx.Process(target=learn, args=(args.url, r, args.steps, f"{workdir}/keys"))
+            for r in range(2)
+        ]
         for p in learners:
             p.start()
         for p in learners:
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(p.exitcode for p in learners):
             print("a learner failed", file=sys.stderr)
             return 1
-        versions = load_global_model(model, args.url, **SETTINGS)
+        versions = load_global_model(model, args.url, keys=f"{workdir}/keys", **SETTINGS)
     result = {"before": before, "after": held_out_loss(model), "versions": versions}
     print(json.dumps(result))
     return 0

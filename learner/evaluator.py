@@ -105,6 +105,8 @@ class Evaluator:
             incarnation=time.time_ns(),
             num_fragments=cfg.run.fragments,
             max_message_bytes=self.plan.max_message_bytes,
+            keys=cfg.run.run_keys("reader"),
+            role="reader",
         )
         self.decoder = GlobalDecoder(self.plan, self.transport)
         self.deferred = DeferredEvaluations() if cfg.eval.eval_deferred else None

@@ -27,8 +27,10 @@ from collections.abc import Callable
 
 from broker.connect import connect_learner
 from broker.errors import TransportError
+from broker.keys import Identity
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import LearnerTransport
+from broker.transport import learner_id_of as learner_id_of
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,6 @@ AUTO_ID = "auto"  # the learner id that asks for a slot
 _MAX_HOLDER_LEN = 64
 
 
-def learner_id_of(slot: int) -> str:
-    return f"learner-{slot}"
 
 
 def shard_of(slot: int, num_shards: int) -> int:
@@ -58,6 +58,7 @@ class SlotLease:
         self,
         run: RunSettings,
         holder: str,
+        identity: Identity | None,
         on_lost: Callable[[], None],
         ttl_s: float | None = None,
     ) -> None:
@@ -73,6 +74,8 @@ class SlotLease:
             learner_id=holder,
             incarnation=time.time_ns(),
             num_fragments=run.fragments,
+            keys=run.run_keys("learner"),
+            identity=identity,
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -57,6 +57,7 @@ from broker.errors import ConfigError, DdilocoError
 from broker.files import atomic_write
 from broker.fragments import FragmentPlan, synced_parameters
 from broker.initial_model import write_initial_model
+from broker.keys import JOIN_SECRET, Identity, identity_path, make_keys
 from broker.settings import NO_BROKER, RunSettings
 from broker.transport import LearnerTransport, TransportStats
 from broker.wire import Delta, Heartbeat
@@ -113,6 +114,7 @@ class DecoupledDiLoCo:
         metrics_port: int = 0,
         transport: LearnerTransport | None = None,
         settings: LearnerSettings | None = None,
+        identity: Identity | None = None,
         **keywords: Any,
     ) -> None:
         if settings is None:
@@ -137,6 +139,11 @@ class DecoupledDiLoCo:
         )
         # Every rank of a group resumes from what rank 0 saved; rank 0 alone writes.
         self.progress = ProgressFile(state_dir, learner_id)
+        # Who this learner is to the syncers (docs/security.md): kept beside its
+        # progress, so that a restart is the same learner, else new per process
+        # (made by the rank that connects, in join()).
+        self.identity = identity
+        self.state_dir = state_dir
         self.start_step, self.tokens, last_incarnation = self.progress.load()
         # Strictly newer than any earlier incarnation even if the clock stepped
         # back: the syncer would take a lower one for a replay.
@@ -179,6 +186,8 @@ class DecoupledDiLoCo:
         """Connect, load the current global model (unless told not to), start the
         comm thread. Called by ``with``."""
         if self.group.leader and self.syncing and self.transport is None:
+            if self.identity is None:
+                self.identity = Identity.kept_in(identity_path(self.state_dir, self.learner_id))
             self.transport = connect_learner(
                 self.run.url,
                 run_id=self.run.run_id,
@@ -186,6 +195,8 @@ class DecoupledDiLoCo:
                 incarnation=self.incarnation,
                 num_fragments=self.run.fragments,
                 max_message_bytes=self.plan.max_message_bytes,
+                keys=self.run.run_keys("learner"),
+                identity=self.identity,
             )
         arrived: list[tuple[int, Stamp, torch.Tensor]] = []
         decoder = GlobalDecoder(self.plan, self.transport)
@@ -450,6 +461,8 @@ def load_global_model(
         incarnation=time.time_ns(),
         num_fragments=run.fragments,
         max_message_bytes=plan.max_message_bytes,
+        keys=run.run_keys("reader"),
+        role="reader",
     )
     try:
         decoder = GlobalDecoder(plan, transport)
@@ -476,11 +489,15 @@ def local_syncer(
     """A syncer process (``python -m syncer``) on this machine for ``model``, for trying the
     library without a cluster: writes the initial model into ``workdir``, starts
     the syncer, waits until it serves, and stops it on leaving (after merging
-    what is pending). ``settings`` are the run settings the learners use too."""
+    what is pending). ``settings`` are the run settings the learners use too;
+    the run's key folder (``keys``) is made there first when it holds none,
+    so learners given the same settings enroll without another step."""
     run = LearnerSettings.from_keywords(url=url, **settings).run
     folder = Path(workdir)
     initial = folder / "initial-model.safetensors"
     save_initial_model(model, initial, **settings)
+    if not run.insecure and not (Path(run.keys) / JOIN_SECRET).exists():
+        make_keys(run.keys)
     served = dataclasses.replace(run, initial_model=str(initial))
     cmd = [sys.executable, "-m", "syncer", *dataclass_to_args(served)]
     cmd += [

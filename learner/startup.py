@@ -18,6 +18,7 @@ import sys
 from types import FrameType
 
 from broker.errors import ConfigError
+from broker.keys import Identity, identity_path
 from learner.config import EvaluatorConfig, LearnerConfig
 from learner.lease import AUTO_ID, SlotLease, default_holder, learner_id_of, shard_of
 
@@ -54,12 +55,17 @@ def run_learner(cfg: LearnerConfig) -> int:
         os.environ.update(json.loads(line))
     signal.signal(signal.SIGTERM, _exit_on_signal)
     lease = None
+    identity = None
     if cfg.learner_id == AUTO_ID:
         # A learner of a scaled service: its id and shard come from a slot lease.
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("--learner-id auto: give each torchrun group its own id instead")
         holder = default_holder()
-        lease = SlotLease(cfg.run, holder, on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
+        # One key for the slot and the learner it becomes: the syncer binds both to it.
+        identity = Identity.kept_in(identity_path(cfg.state_dir, holder))
+        lease = SlotLease(
+            cfg.run, holder, identity, on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM)
+        )
         slot = lease.take(cfg.process.join_timeout_s)
         cfg = dataclasses.replace(
             cfg, learner_id=learner_id_of(slot), shard=shard_of(slot, cfg.num_shards)
@@ -74,7 +80,7 @@ def run_learner(cfg: LearnerConfig) -> int:
             EventLog(cfg.metrics_file, learner=cfg.learner_id).write(
                 "lease", holder=lease.holder, slot=lease.slot, shard=cfg.shard
             )
-    learner = Learner(cfg)
+    learner = Learner(cfg, identity)
     # From here SIGTERM (docker stop, a swarm scaling down, a lost slot) ends the
     # learner after its step, with what it trained sent, and exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: learner.stop_requested.set())

@@ -21,6 +21,7 @@ import torch
 import torch._dynamo  # noqa: F401  (a first optimizer imports it: seconds, here with the rest)
 
 from broker.files import EventLog
+from broker.keys import Identity
 from broker.runtime import freeze_startup_heap
 from learner.config import LearnerConfig, LearnerSettings, TrainConfig
 from learner.evaluator import DeferredEvaluations
@@ -97,7 +98,7 @@ def inner_step(
 
 
 class Learner:
-    def __init__(self, cfg: LearnerConfig) -> None:
+    def __init__(self, cfg: LearnerConfig, identity: Identity | None = None) -> None:
         self.cfg = cfg
         torch.set_num_threads(cfg.process.torch_threads)
         self.group = TorchrunGroup()
@@ -124,6 +125,7 @@ class Learner:
             state_dir=cfg.state_dir,
             metrics_port=cfg.metrics_port,
             settings=LearnerSettings(cfg.run, cfg.sync, cfg.process),
+            identity=identity,
         )
         self.events = EventLog(
             cfg.metrics_file if self.group.leader else None,

@@ -31,7 +31,7 @@ from broker.keys import (
 from broker.wire import Delta, Enroll, GlobalFragment, Heartbeat, LeaseRequest, SnapshotRequest
 from broker.zmq_transport import ZmqLearnerTransport, ZmqSyncerTransport, pub_endpoint
 from tests.servers import wait_until
-from tests.test_zmq_transport import PLAN, RUN, delta, endpoint, global_fragment
+from tests.test_zmq_transport import RUN, delta, endpoint, global_fragment
 
 
 @pytest.fixture

@@ -184,7 +184,7 @@ def test_slot_lease_renews_and_reports_a_lost_slot(tmp_path: Path) -> None:
     server.start()
     lost = threading.Event()
     run = RunSettings(run_id=RUN, url=server.url, fragments=1, sync_every=1, overlap=0)
-    lease = SlotLease(run, "host-a", on_lost=lost.set, ttl_s=0.6)
+    lease = SlotLease(run, "host-a", None, on_lost=lost.set, ttl_s=0.6)
     try:
         assert lease.take(timeout_s=10) == 0
         wait_until(lambda: lease.renewals >= 2, 10, what="two renewals")
