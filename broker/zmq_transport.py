@@ -50,8 +50,8 @@ from broker.transport import (
     TransportError,
     TransportStats,
     candidate_order,
-    lease_request_ok,
     learner_id_of,
+    lease_request_ok,
 )
 from broker.wire import (
     Ack,
