@@ -1,6 +1,6 @@
 """The run's keys, and who holds which (docs/security.md).
 
-``ddiloco keys --out DIR`` makes a run's key folder; every file is 0600::
+``ddiloco keys --keys DIR`` makes a run's key folder; every file is 0600::
 
     join.secret        32 random bytes, hex: enrolls a process in the run
                        (learners, evaluators and syncers hold it)
@@ -93,7 +93,7 @@ def _read(folder: Path, name: str) -> str:
     except FileNotFoundError:
         raise ConfigError(
             f"no {name} in the run's key folder {folder}: make the keys with "
-            f"`ddiloco keys --out {folder}`, or run with --insecure (no keys: anyone "
+            f"`ddiloco keys --keys {folder}`, or run with --insecure (no keys: anyone "
             "who reaches the ports can read and steer the run)"
         ) from None
     if len(data) > _MAX_KEY_FILE_BYTES:
@@ -216,7 +216,7 @@ class RunKeys:
             raise ValueError(f"role {role!r}: one of {sorted(NEEDED)}")
         if not where.is_dir():
             raise ConfigError(
-                f"no run key folder at {where}: make one with `ddiloco keys --out {where}`, "
+                f"no run key folder at {where}: make one with `ddiloco keys --keys {where}`, "
                 "or run with --insecure (no keys: anyone who reaches the ports can read "
                 "and steer the run)"
             )

@@ -39,6 +39,10 @@ GLOBALS_DOMAIN = b"ddiloco-globals"
 # of the join secret could otherwise enroll keys without end.
 MAX_MEMBERS = 4 * MAX_LEARNER_SLOTS
 _REVOKED_REREAD_S = 1.0
+_ZAP_POLL_MS = 20
+# Subscriptions held for their key's enrollment at once, at most: beyond it
+# every held one is refused (its learner subscribes again).
+_MAX_HELD = 1024
 
 
 class Members:
@@ -107,6 +111,11 @@ class Members:
         with self._lock:
             self._bound[learner_id] = curve_key_hex(key_z85)
 
+    def may_enroll(self, key_z85: str) -> bool:
+        """Whether ``key_z85`` is not revoked (an enrollment may still admit it)."""
+        with self._lock:
+            return curve_key_hex(key_z85) not in self._revoked_keys
+
     def admits(self, domain: bytes, key_z85: str) -> bool:
         """The ZAP decision for a handshake on ``domain`` by ``key_z85``."""
         key = curve_key_hex(key_z85)
@@ -146,13 +155,24 @@ class Members:
 
 
 class ZapHandler:
-    """Answers ZeroMQ's ZAP requests from a thread, by :meth:`Members.admits`."""
+    """Answers ZeroMQ's ZAP requests from a thread, by :meth:`Members.admits`.
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], members: Members) -> None:
+    A subscription from a key not enrolled yet is held (up to ``hold_s``)
+    rather than refused: a learner's subscription races its enrollment, which
+    the syncer's loop takes from the request socket, and ZeroMQ does not retry
+    a refused handshake. Each handshake is its own ZAP peer, so a ROUTER can
+    answer them in any order."""
+
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], members: Members, hold_s: float = 5.0
+    ) -> None:
         self._members = members
-        self._socket = ctx.socket(zmq.REP)
+        self._hold_s = hold_s
+        self._socket = ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(ZAP_ENDPOINT)
+        # Held requests: (peer, envelope, domain, key, when to give up).
+        self._held: list[tuple[bytes, list[bytes], bytes, str, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="zap", daemon=True)
         self._thread.start()
@@ -160,24 +180,47 @@ class ZapHandler:
     def _serve(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self._socket.poll(100, zmq.POLLIN):
-                    continue
-                request = self._socket.recv_multipart()
-                self._socket.send_multipart(self._answer(request))
+                if self._socket.poll(_ZAP_POLL_MS, zmq.POLLIN):
+                    self._take(self._socket.recv_multipart())
+                self._answer_held()
         finally:
             self._socket.close(linger=0)
 
-    def _answer(self, request: list[bytes]) -> list[bytes]:
-        # RFC 27: version, request id, domain, address, identity, mechanism, credentials.
-        if len(request) < 6:
-            return [b"1.0", b"", b"500", b"bad request", b"", b""]
-        version, request_id, domain, _address, _identity, mechanism = request[:6]
+    def _reply(self, peer: bytes, envelope: list[bytes], status: bytes, user: bytes = b"") -> None:
+        version, request_id = envelope
+        text = b"OK" if status == b"200" else b"not admitted"
+        self._socket.send_multipart([peer, b"", version, request_id, status, text, user, b""])
+
+    def _take(self, frames: list[bytes]) -> None:
+        # [peer, empty] then RFC 27: version, request id, domain, address,
+        # identity, mechanism, credentials.
+        if len(frames) < 8 or frames[1] != b"":
+            return
+        peer, request = frames[0], frames[2:]
+        envelope = request[:2]
+        domain, mechanism = request[2], request[5]
         if mechanism != b"CURVE" or len(request) != 7 or len(request[6]) != 32:
-            return [version, request_id, b"400", b"CURVE only", b"", b""]
+            self._reply(peer, envelope, b"400")
+            return
         key = z85.encode(request[6]).decode()
         if self._members.admits(domain, key):
-            return [version, request_id, b"200", b"OK", key.encode(), b""]
-        return [version, request_id, b"400", b"not admitted", b"", b""]
+            self._reply(peer, envelope, b"200", key.encode())
+        elif domain == GLOBALS_DOMAIN and self._members.may_enroll(key):
+            self._held.append((peer, envelope, domain, key, time.monotonic() + self._hold_s))
+        else:
+            self._reply(peer, envelope, b"400")
+
+    def _answer_held(self) -> None:
+        now = time.monotonic()
+        waiting = []
+        for peer, envelope, domain, key, until in self._held:
+            if self._members.admits(domain, key):
+                self._reply(peer, envelope, b"200", key.encode())
+            elif now >= until or len(self._held) > _MAX_HELD:
+                self._reply(peer, envelope, b"400")
+            else:
+                waiting.append((peer, envelope, domain, key, until))
+        self._held = waiting
 
     def close(self) -> None:
         self._stop.set()

@@ -537,18 +537,19 @@ class ZmqLearnerTransport(LearnerTransport):
         """Enroll with every syncer (again: one that restarted knows no key).
         Sent with heartbeats, before requests and before each delta, at most
         every second otherwise; best effort, as they are."""
-        self._last_enrolled = time.monotonic()
-        for owner in range(len(self._dealers)):
-            self._enroll_with(owner)
+        sent = [self._enroll_with(owner) for owner in range(len(self._dealers))]
+        if all(sent):  # else: again at the next poll (a syncer not connected yet)
+            self._last_enrolled = time.monotonic()
 
-    def _enroll_with(self, owner: int) -> None:
+    def _enroll_with(self, owner: int) -> bool:
         if not self._enroll_frame:
-            return
+            return True
         try:
             self._dealers[owner].send(self._enroll_frame, zmq.NOBLOCK)
         except zmq.Again:
-            return
+            return False
         self.stats.bytes_sent += len(self._enroll_frame)
+        return True
 
     @property
     def unacked(self) -> int:

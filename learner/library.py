@@ -150,7 +150,9 @@ class DecoupledDiLoCo:
         self.incarnation = max(time.time_ns(), last_incarnation + 1)
         self.step_count = self.start_step
         self.seq = 0
-        self.metrics = LearnerMetrics(metrics_port if self.group.leader else 0)
+        self.metrics = LearnerMetrics(
+            metrics_port if self.group.leader else 0, self.run.metrics_host
+        )
         self.syncing = self.run.url != NO_BROKER
         self.transport = transport
         self.comm: CommThread | None = None

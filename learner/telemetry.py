@@ -12,7 +12,7 @@ from broker.files import atomic_write
 
 
 class LearnerMetrics:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, host: str) -> None:
         r = self.registry = CollectorRegistry()
         self.steps = Counter("ddiloco_learner_steps", "Inner steps", registry=r)
         self.tokens = Counter("ddiloco_learner_tokens", "Tokens trained on", registry=r)
@@ -31,7 +31,7 @@ class LearnerMetrics:
             "ddiloco_learner_fragment_version", "Base version", ["fragment"], registry=r
         )
         if port:
-            start_http_server(port, registry=r)
+            start_http_server(port, addr=host, registry=r)
 
 
 class ProgressFile:

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 class _Prometheus:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, host: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.deltas_applied = PromCounter(
@@ -58,15 +58,15 @@ class _Prometheus:
         self.bytes_in = Gauge("ddiloco_syncer_bytes_received", "Bytes received", registry=r)
         self.bytes_out = Gauge("ddiloco_syncer_bytes_sent", "Bytes sent", registry=r)
         if port:
-            start_http_server(port, registry=r)
+            start_http_server(port, addr=host, registry=r)
 
 
 class SyncerMetrics:
     """The run's totals (for the summary), mirrored to Prometheus on
     ``metrics_port`` when given, and every event in ``metrics_file``."""
 
-    def __init__(self, metrics_port: int, metrics_file: str | None) -> None:
-        self.prometheus = _Prometheus(metrics_port)
+    def __init__(self, metrics_port: int, metrics_file: str | None, metrics_host: str) -> None:
+        self.prometheus = _Prometheus(metrics_port, metrics_host)
         self.events = EventLog(metrics_file)
         self.rejected: Counter[str] = Counter()
         self.rounds = 0

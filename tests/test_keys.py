@@ -56,7 +56,7 @@ def test_the_key_folder_is_private_and_each_role_gets_what_it_needs(keys_dir: Pa
 
 
 def test_a_missing_or_loose_key_is_named_at_start(tmp_path: Path, keys_dir: Path) -> None:
-    with pytest.raises(ConfigError, match="no run key folder.*ddiloco keys --out"):
+    with pytest.raises(ConfigError, match="no run key folder.*ddiloco keys --keys"):
         RunKeys.load(tmp_path / "nowhere", "learner")
     os.chmod(keys_dir / JOIN_SECRET, 0o644)
     with pytest.raises(ConfigError, match="readable by others.*chmod 600"):

@@ -37,11 +37,13 @@ from compose.processes import free_port_pair
 from learner.library import DecoupledDiLoCo, load_global_model
 from syncer.config import OuterConfig, SyncerConfig
 from syncer.service import Syncer
-from tests.servers import RedisServer, free_port, wait_until
+from tests.servers import RedisServer, free_port, run_keys, wait_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
-SETTINGS: dict[str, Any] = dict(run_id="lib", fragments=2, sync_every=4, overlap=1)
+SETTINGS: dict[str, Any] = dict(
+    run_id="lib", fragments=2, sync_every=4, overlap=1, keys=run_keys()
+)
 STEP_S = 0.005  # the least time one training step takes (see train)
 
 
@@ -89,14 +91,24 @@ def held_out_loss(model: nn.Module) -> float:
 
 @contextmanager
 def running_syncer(
-    tmp_path: Path, model: nn.Module, learners: int, quorum: int, url: str | None = None
+    tmp_path: Path,
+    model: nn.Module,
+    learners: int,
+    quorum: int,
+    url: str | None = None,
+    insecure: bool = False,
 ) -> Iterator[tuple[Syncer, str]]:
     url = url or f"zmq://127.0.0.1:{free_port_pair()}"
     initial = tmp_path / "initial.safetensors"
     plan = FragmentPlan.for_model(model, SETTINGS["fragments"], SETTINGS["sync_every"])
     write_initial_model(initial, plan, synced_parameters(model))
     run = RunSettings(
-        url=url, learners=learners, quorum=quorum, initial_model=str(initial), **SETTINGS
+        url=url,
+        learners=learners,
+        quorum=quorum,
+        initial_model=str(initial),
+        insecure=insecure,
+        **SETTINGS,
     )
     cfg = SyncerConfig(
         run=run,
@@ -387,15 +399,19 @@ def test_a_syncer_that_lost_its_checkpoint_cannot_lock_learners_out(tmp_path: Pa
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("keyed", [True, False], ids=["keys", "insecure"])
 def test_a_global_forged_into_redis_with_a_huge_version_locks_no_learner_out(
-    tmp_path: Path, redis_server: RedisServer
+    tmp_path: Path, redis_server: RedisServer, keyed: bool
 ) -> None:
     """Attack: anyone who can write to Redis puts a well-formed global of version
-    2^62 into the globals stream and the snapshot key. The learner takes it
-    (telling it from a real one needs authentication), but the syncer refuses the
-    deltas based on it ("future_version") and says so: the learner takes the
-    syncer's real global whatever its version (the syncer republishes an idle
-    fragment every heartbeat timeout), and its deltas count again."""
+    2^62 into the globals stream and the snapshot key. With the run's keys the
+    learner refuses it (no syncer signed it) and never leaves the real lineage.
+    Without keys (--insecure) the learner takes it (it is well-formed), but the
+    syncer refuses the deltas based on it ("future_version") and says so: the
+    learner takes the syncer's real global whatever its version (the syncer
+    republishes an idle fragment every heartbeat timeout), and its deltas count
+    again."""
+    settings = SETTINGS if keyed else {**SETTINGS, "insecure": True}
     model = make_model()
     gen = torch.Generator().manual_seed(1)
 
@@ -410,11 +426,10 @@ def test_a_global_forged_into_redis_with_a_huge_version_locks_no_learner_out(
         sync.step(weight=len(x))
         time.sleep(0.03)  # a step of a real model takes a while
 
-    with running_syncer(tmp_path, model, learners=1, quorum=1, url=redis_server.url) as (
-        syncer,
-        url,
-    ):
-        with DecoupledDiLoCo(model, url, learner_id="l0", learners=1, **SETTINGS) as sync:
+    with running_syncer(
+        tmp_path, model, learners=1, quorum=1, url=redis_server.url, insecure=not keyed
+    ) as (syncer, url):
+        with DecoupledDiLoCo(model, url, learner_id="l0", learners=1, **settings) as sync:
             for _ in range(12):
                 one_step()
             wait_until(lambda: sync.comm is not None and sync.comm.pending == 0, 10)
@@ -431,6 +446,17 @@ def test_a_global_forged_into_redis_with_a_huge_version_locks_no_learner_out(
             client.xadd(globals_stream_key("lib"), {FIELD: encode(forged)})
             client.close()
             assert sync.comm is not None
+            if keyed:
+                rejected = sync.globals_rejected
+                stats = sync.stats
+                wait_until(lambda: stats.rejected["bad_signature"] >= 1, 10, what="the refusal")
+                version_then = syncer.states[0].version
+                for _ in range(24):
+                    one_step()
+                assert sync.fragments.base_version[0] <= syncer.states[0].version
+                wait_until(lambda: syncer.states[0].version > version_then, 20)
+                assert not rejected and not syncer.metrics.rejected
+                return
             arrived = sync.comm._arrived
             wait_until(lambda: 0 in arrived and arrived[0][1][1] == 2**62, 10, what="the forgery")
             one_step()
