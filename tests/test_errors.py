@@ -21,6 +21,7 @@ from broker.fragments import FragmentPlan, ParamSpec
 from broker.initial_model import write_initial_model
 from broker.transport import SyncerTransport
 from compose import cli
+from tests.servers import run_keys
 
 PACKAGES = ("broker", "learner", "syncer", "compose")
 # Private helpers that never leave their module, so they are nobody's to catch:
@@ -153,7 +154,12 @@ def test_cli_port_in_use_is_one_line(
         f"--initial-model={initial}",
         f"--checkpoint-dir={tmp_path / 'checkpoint'}",
     ]
-    code, err = _run_cli(argv, monkeypatch, capsys)
+    code, err = _run_cli([*argv, f"--keys={run_keys()}"], monkeypatch, capsys)
     assert code == 2
     assert len(err) == 1, err
     assert err[0].startswith(f"ddiloco syncer: syncer transport on zmq://127.0.0.1:{bound_port}")
+    # Without the run's keys, the syncer names what is missing and how to make it.
+    code, err = _run_cli([*argv, f"--keys={tmp_path / 'nokeys'}"], monkeypatch, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"no run key folder at {tmp_path / 'nokeys'}" in err[0]
+    assert "ddiloco keys --keys" in err[0] and "--insecure" in err[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from compose.processes import free_port_pair
-from tests.servers import free_port
+from tests.servers import free_port, run_keys
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,6 +25,8 @@ MODEL = [
     "64",
 ]
 RUN = [
+    "--keys",
+    run_keys(),
     "--fragments",
     "2",
     "--sync-every",

@@ -14,12 +14,13 @@ import zmq
 
 from broker import wire
 from broker.connect import connect_learner, connect_syncer
+from broker.keys import Identity, RunKeys
 from broker.redis_common import leases_key
 from broker.settings import RunSettings
 from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, TransportError
 from broker.wire import LeaseRequest
 from learner.lease import SlotLease, shard_of
-from tests.servers import RedisServer, free_port, wait_until
+from tests.servers import RedisServer, free_port, run_keys, wait_until
 
 pytestmark = pytest.mark.integration
 RUN = "lease-test"
@@ -49,7 +50,13 @@ class ZmqAuthority:
 
     def start(self) -> None:
         self._stop.clear()
-        transport = connect_syncer(self.url, run_id=RUN, syncer_id="s", fragments=[0])
+        transport = connect_syncer(
+            self.url,
+            run_id=RUN,
+            syncer_id="s",
+            fragments=[0],
+            keys=RunKeys.load(run_keys(), "syncer"),
+        )
 
         def pump() -> None:
             while not self._stop.is_set():
@@ -83,8 +90,16 @@ def broker_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
             authority.stop()
 
 
-def learner(url: str, name: str) -> LearnerTransport:
-    return connect_learner(url, run_id=RUN, learner_id=name, incarnation=1, num_fragments=1)
+IDENTITIES: dict[str, Identity] = {}  # a holder's key pair, as its state_dir keeps it
+
+
+def learner(url: str, name: str, identity: Identity | None = None) -> LearnerTransport:
+    """A learner process with the run's keys and the key pair of its holder."""
+    return connect_learner(
+        url, run_id=RUN, learner_id=name, incarnation=1, num_fragments=1,
+        keys=RunKeys.load(run_keys(), "learner"),
+        identity=identity or IDENTITIES.setdefault(name, Identity.new()),
+    )  # fmt: skip
 
 
 def test_holders_get_distinct_lowest_slots_and_keep_them(broker_url: str) -> None:
@@ -95,9 +110,15 @@ def test_holders_get_distinct_lowest_slots_and_keep_them(broker_url: str) -> Non
         # Renewing, or asking again after a restart (same holder), gives the same slot.
         for h, t in clients.items():
             assert t.lease(h, ttl_s=TTL_S, timeout_s=10) == slots[h]
-        again = learner(broker_url, "host-b")
+        again = learner(broker_url, "host-b")  # restarted, its key pair kept
         assert again.lease("host-b", ttl_s=TTL_S, timeout_s=10) == slots["host-b"]
         again.close()
+        if broker_url.startswith("zmq"):
+            # Another key under the same holder name (an impostor holding the
+            # join secret) gets a slot of its own, never the holder's.
+            impostor = learner(broker_url, "host-b", Identity.new())
+            assert impostor.lease("host-b", ttl_s=TTL_S, timeout_s=10) not in slots.values()
+            impostor.close()
     finally:
         for t in clients.values():
             t.close()
@@ -183,7 +204,9 @@ def test_slot_lease_renews_and_reports_a_lost_slot(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "redis")
     server.start()
     lost = threading.Event()
-    run = RunSettings(run_id=RUN, url=server.url, fragments=1, sync_every=1, overlap=0)
+    run = RunSettings(
+        run_id=RUN, url=server.url, fragments=1, sync_every=1, overlap=0, keys=run_keys()
+    )
     lease = SlotLease(run, "host-a", None, on_lost=lost.set, ttl_s=0.6)
     try:
         assert lease.take(timeout_s=10) == 0
@@ -234,7 +257,9 @@ def test_the_zmq_authority_rejects_leases_out_of_bounds() -> None:
             10,
             what="both forged leases rejected",
         )
-        honest = learner(url, "honest")
+        honest = connect_learner(  # --insecure, as the syncer above
+            url, run_id=RUN, learner_id="honest", incarnation=1, num_fragments=1
+        )
         pump = threading.Thread(target=lambda: [syncer.receive(0.05) for _ in range(100)])
         pump.start()
         assert honest.lease("honest", ttl_s=TTL_S, timeout_s=10) == 0

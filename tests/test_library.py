@@ -41,9 +41,7 @@ from tests.servers import RedisServer, free_port, run_keys, wait_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
-SETTINGS: dict[str, Any] = dict(
-    run_id="lib", fragments=2, sync_every=4, overlap=1, keys=run_keys()
-)
+SETTINGS: dict[str, Any] = dict(run_id="lib", fragments=2, sync_every=4, overlap=1, keys=run_keys())
 STEP_S = 0.005  # the least time one training step takes (see train)
 
 

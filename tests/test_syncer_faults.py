@@ -31,6 +31,7 @@ import torch
 
 from broker.codecs import Codec
 from broker.connect import connect_learner
+from broker.keys import RunKeys
 from broker.settings import RunSettings
 from broker.transport import LearnerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat, weights_checksum
@@ -41,7 +42,7 @@ from learner.model import ModelConfig
 from learner.workload import write_initial
 from syncer.checkpoint import load_fragment
 from syncer.config import CRASH_POINTS, SyncerConfig
-from tests.servers import RedisServer, wait_until
+from tests.servers import RedisServer, run_keys, wait_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,8 @@ SHIFTS = {"a": 0.01, "b": 0.03}  # what each learner moves every weight by, per 
 def run_flags(url: str, initial_model: Path) -> list[str]:
     """The settings syncer and learners share (``ddiloco syncer`` and ``ddiloco learner``)."""
     return [
+        "--keys",
+        run_keys(),
         "--run-id",
         "faults",
         "--url",
@@ -201,8 +204,13 @@ def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_
     syncer.start("--crash-at", crash_at)
     learners: dict[str, LearnerTransport] = {
         name: connect_learner(
-            broker_url, run_id="faults", learner_id=name, incarnation=1, num_fragments=FRAGMENTS
-        )
+            broker_url,
+            run_id="faults",
+            learner_id=name,
+            incarnation=1,
+            num_fragments=FRAGMENTS,
+            keys=RunKeys.load(run_keys(), "learner"),
+        )  # fmt: skip
         for name in SHIFTS
     }
     latest: dict[int, GlobalFragment] = {}

@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 
 from broker.codecs import Codec, apply_change
 from broker.errors import ConfigError
+from broker.keys import RunKeys
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import Inbound
 from broker.wire import Delta, GlobalFragment, Heartbeat
@@ -28,7 +29,7 @@ from learner.workload import write_initial
 from syncer.checkpoint import fragment_path
 from syncer.config import OuterConfig, SyncerConfig
 from syncer.service import Syncer
-from tests.servers import RedisServer, free_port, take_globals, wait_until
+from tests.servers import RedisServer, free_port, run_keys, take_globals, wait_until
 
 pytestmark = pytest.mark.integration
 TINY = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)
@@ -56,6 +57,7 @@ def make_syncer(
         sync_every=2,
         overlap=1,
         initial_model=str(tmp_path / "initial.safetensors"),
+        keys=run_keys(),
     )
     if not Path(run.initial_model).exists():
         write_initial(run, WorkloadConfig(model=TINY))
@@ -114,8 +116,13 @@ def test_round_checkpoint_publish_ack_and_exactly_once_across_restart(tmp_path: 
     port = free_port_pair()
     metrics_port = free_port()
     syncer = make_syncer(tmp_path, port, metrics_port=metrics_port)
-    a = ZmqLearnerTransport([f"tcp://127.0.0.1:{port}"], "svc", "a", 1, 2, ack_timeout_s=0.3)
-    b = ZmqLearnerTransport([f"tcp://127.0.0.1:{port}"], "svc", "b", 1, 2, ack_timeout_s=0.3)
+    keys = RunKeys.load(run_keys(), "learner")
+    a = ZmqLearnerTransport(
+        [f"tcp://127.0.0.1:{port}"], "svc", "a", 1, 2, ack_timeout_s=0.3, keys=keys
+    )
+    b = ZmqLearnerTransport(
+        [f"tcp://127.0.0.1:{port}"], "svc", "b", 1, 2, ack_timeout_s=0.3, keys=keys
+    )
     try:
         start = snapshot(a, syncer)[0]
         assert start.version == 0
@@ -171,7 +178,9 @@ def test_round_checkpoint_publish_ack_and_exactly_once_across_restart(tmp_path: 
 def test_round_closes_at_once_when_every_live_learner_reported(tmp_path: Path) -> None:
     port = free_port_pair()
     syncer = make_syncer(tmp_path, port, quorum=1, grace_gamma=0.9)
-    a = ZmqLearnerTransport([f"tcp://127.0.0.1:{port}"], "svc", "a", 1, 2)
+    a = ZmqLearnerTransport(
+        [f"tcp://127.0.0.1:{port}"], "svc", "a", 1, 2, keys=RunKeys.load(run_keys(), "learner")
+    )
     try:
         start = snapshot(a, syncer)[1]
         # A long step time would make the grace window long; with the only live
