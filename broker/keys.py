@@ -264,7 +264,8 @@ class Identity:
     @classmethod
     def kept_in(cls, path: Path | None) -> Identity:
         """The identity saved at ``path`` (made there, 0600, if missing), so that a
-        restarted process is the same learner; a new one when ``path`` is None."""
+        restarted process is the same learner; a new one when ``path`` is None
+        or cannot be written (said in the log: a restart is then a newcomer)."""
         if path is None:
             return cls.new()
         if path.exists():
@@ -275,15 +276,23 @@ class Identity:
                 raise ConfigError(f"{path}: not a CURVE secret key; delete it") from None
             return cls(public, secret)
         identity = cls.new()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_secret(path, identity.secret.decode() + "\n")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _write_secret(path, identity.secret.decode() + "\n")
+        except OSError as e:
+            log.warning("identity not kept (%s): a restart of this process is a newcomer", e)
         return identity
 
 
-def identity_path(state_dir: str | None, name: str) -> Path | None:
-    """Where a learner named ``name`` keeps its identity: beside its progress
-    in ``state_dir``; nowhere (a new identity per process) without one."""
-    return Path(state_dir) / f"{name}.identity" if state_dir else None
+IDENTITY_HOME = "~/.local/state/ddiloco"
+
+
+def identity_path(run_id: str, name: str) -> Path:
+    """Where the process named ``name`` (a learner id, or a slot's holder) keeps
+    its identity for run ``run_id``: under its own home, so that a restart (of
+    the process, or of its container) is the same learner, and replicas of a
+    service, which share their volumes, never share a key."""
+    return Path(IDENTITY_HOME).expanduser() / run_id / f"{name}.identity"
 
 
 def curve_key_hex(z85_key: bytes | str) -> str:

@@ -188,7 +188,7 @@ class DeltaSender:
         max_unacked: int,
         ack_timeout_s: float,
         stats: TransportStats,
-        enroll: Callable[[int], None] = lambda owner: None,
+        enroll: Callable[[int], object] = lambda owner: None,
     ) -> None:
         self._dealers = dealers
         # Sends the learner's enrollment to a syncer before each delta: one that

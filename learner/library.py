@@ -139,11 +139,9 @@ class DecoupledDiLoCo:
         )
         # Every rank of a group resumes from what rank 0 saved; rank 0 alone writes.
         self.progress = ProgressFile(state_dir, learner_id)
-        # Who this learner is to the syncers (docs/security.md): kept beside its
-        # progress, so that a restart is the same learner, else new per process
-        # (made by the rank that connects, in join()).
+        # Who this learner is to the syncers (docs/security.md): kept in its
+        # home (broker.keys.identity_path), made by the rank that connects.
         self.identity = identity
-        self.state_dir = state_dir
         self.start_step, self.tokens, last_incarnation = self.progress.load()
         # Strictly newer than any earlier incarnation even if the clock stepped
         # back: the syncer would take a lower one for a replay.
@@ -189,7 +187,8 @@ class DecoupledDiLoCo:
         comm thread. Called by ``with``."""
         if self.group.leader and self.syncing and self.transport is None:
             if self.identity is None:
-                self.identity = Identity.kept_in(identity_path(self.state_dir, self.learner_id))
+                path = identity_path(self.run.run_id, self.learner_id)
+                self.identity = Identity.kept_in(path)
             self.transport = connect_learner(
                 self.run.url,
                 run_id=self.run.run_id,

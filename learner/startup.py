@@ -62,7 +62,7 @@ def run_learner(cfg: LearnerConfig) -> int:
             raise ConfigError("--learner-id auto: give each torchrun group its own id instead")
         holder = default_holder()
         # One key for the slot and the learner it becomes: the syncer binds both to it.
-        identity = Identity.kept_in(identity_path(cfg.state_dir, holder))
+        identity = Identity.kept_in(identity_path(cfg.run.run_id, holder))
         lease = SlotLease(
             cfg.run, holder, identity, on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM)
         )

@@ -70,7 +70,7 @@ def test_a_missing_or_loose_key_is_named_at_start(tmp_path: Path, keys_dir: Path
 
 
 def test_an_identity_kept_in_a_file_is_the_same_after_a_restart(tmp_path: Path) -> None:
-    path = tmp_path / "state" / "learner-0.identity"
+    path = tmp_path / "home" / "learner-0.identity"
     first = Identity.kept_in(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert Identity.kept_in(path) == first
