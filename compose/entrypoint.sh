@@ -8,6 +8,18 @@
 # service) and gets docker's signals itself. Started as another user
 # (`user:` in the compose file), it runs the command as that user unchanged.
 set -e
+# The run's keys, from the service's secrets (docker compose bind-mounts them
+# with the host's owner and mode, a swarm as root): copied where only ddiloco
+# reads them, the folder DDILOCO_KEYS names.
+keys=/home/ddiloco/keys
+if [ "$(id -u)" = 0 ] && [ -d /run/secrets ]; then
+    install -d -m 700 -o ddiloco -g ddiloco "$keys"
+    for name in join.secret syncer.curve.pub signing.pub syncer.curve signing.key; do
+        if [ -f "/run/secrets/$name" ]; then
+            install -m 600 -o ddiloco -g ddiloco "/run/secrets/$name" "$keys/$name"
+        fi
+    done
+fi
 if [ "$(id -u)" = 0 ]; then
     for dir in /ddiloco/*/; do
         if ! setpriv --reuid=ddiloco --regid=ddiloco --init-groups test -w "$dir"; then

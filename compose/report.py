@@ -23,6 +23,7 @@ SUMMARY_KEYS = (
     "fragments_published",
     "deltas_applied",
     "deltas_rejected",
+    "transport_refused",
     "bytes_up",
     "bytes_down",
     "learner_kills",
@@ -328,15 +329,15 @@ def summarise(
 
     accounting = goodput_breakdown(events, mode, fragments)
 
-    # Every refused entry whatever its reason: the syncer's reject events (written
-    # as they happen, so a killed syncer's count survives), plus the frames its
-    # transport refused before they were messages (in each incarnation's totals).
+    # Deltas the syncer refused: its reject events (written as they happen, so a
+    # killed syncer's count survives). Apart from them, what its transport refused
+    # before it was a delta (malformed, unauthenticated: each incarnation's totals).
     syncer_totals = [e for e in events if e["event"] == "summary"]
     rejected: Counter[str] = Counter(e["reason"] for e in events if e["event"] == "reject")
+    transport_refused: Counter[str] = Counter()
     for totals in syncer_totals:
-        for reason, count in totals.get("rejected_by_reason", {}).items():
-            if reason.startswith("transport_"):
-                rejected[reason] += int(count)
+        for reason, count in totals.get("transport_refused_by_reason", {}).items():
+            transport_refused[reason] += int(count)
     # Failures: neither the stops at the end nor data parallel's group stops.
     kills = [
         e
@@ -357,6 +358,8 @@ def summarise(
         "deltas_applied": sum(e["included"] for e in rounds),
         "deltas_rejected": sum(rejected.values()),
         "rejected_by_reason": dict(sorted(rejected.items())),
+        "transport_refused": sum(transport_refused.values()),
+        "transport_refused_by_reason": dict(sorted(transport_refused.items())),
         "duplicates": sum(int(e.get("duplicates", 0)) for e in syncer_totals),
         "bytes_up": sum(int(e.get("bytes_sent", 0)) for e in last.values()),
         "bytes_down": sum(int(e.get("bytes_received", 0)) for e in last.values()),

@@ -59,9 +59,13 @@ class FragmentSync:
         """The pseudo-gradient Theta_p(base) - theta_p, flat fp32 on the CPU."""
         return self.base[p] - self.plan.flatten(params, p)
 
-    def send(self, p: int, step: int, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The delta to send now; the progress in it counts as sent."""
+    def send(self, p: int, step: int, params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The delta to send now; the progress in it counts as sent. None when the
+        fragment's weights are not all finite (its training blew up): nothing
+        is sent, and the caller puts it back on its base (:meth:`restore`)."""
         weights = self.plan.flatten(params, p)
+        if not bool(torch.isfinite(weights).all()):
+            return None
         self.last_sent_step[p] = step
         self.sent_point[p] = weights
         self.unsent_steps[p] = self.unsent_tokens[p] = 0
@@ -97,14 +101,22 @@ class FragmentSync:
         flat: torch.Tensor,
         params: Mapping[str, torch.Tensor],
         mix_alpha: float = 0.0,
-    ) -> None:
-        """Overwrite (or mix into) the fragment's parameters; it becomes the new base."""
+    ) -> bool:
+        """Overwrite (or mix into) the fragment's parameters; it becomes the new base.
+        False when the fragment's own weights were not all finite: then the
+        global is taken as it is (no progress kept on top, no mixing)."""
         carried_steps = carried_tokens = 0
         landed = flat
-        if self.keep_unsent and p in self.sent_point:
+        local = None
+        if mix_alpha or (self.keep_unsent and p in self.sent_point):
+            local = self.plan.flatten(params, p)
+        finite = local is None or bool(torch.isfinite(local).all())
+        if not finite:
+            mix_alpha = 0.0
+        elif local is not None and self.keep_unsent and p in self.sent_point:
             # The global lands under the progress not sent yet, which the next
             # delta (measured from the global) then carries to the syncer.
-            landed = flat + (self.plan.flatten(params, p) - self.sent_point[p])
+            landed = flat + (local - self.sent_point[p])
             carried_steps, carried_tokens = self.unsent_steps[p], self.unsent_tokens[p]
         with torch.no_grad():
             for name, tensor in self.plan.unflatten(landed, p).items():
@@ -118,3 +130,14 @@ class FragmentSync:
         self.sent_point[p] = self.base[p]
         self.c_steps[p] = self.unsent_steps[p] = carried_steps
         self.c_tokens[p] = self.unsent_tokens[p] = carried_tokens
+        return finite
+
+    def restore(self, p: int, params: Mapping[str, torch.Tensor]) -> None:
+        """Put fragment ``p`` back on its base, the last good global it took; the
+        progress since is dropped."""
+        with torch.no_grad():
+            for name, tensor in self.plan.unflatten(self.base[p], p).items():
+                params[name].copy_(tensor)
+        self.sent_point[p] = self.base[p]
+        self.c_steps[p] = self.unsent_steps[p] = 0
+        self.c_tokens[p] = self.unsent_tokens[p] = 0

@@ -160,6 +160,8 @@ class DecoupledDiLoCo:
         self.phase_steps = {True: 0, False: 0}
         self.delivered = True
         self._closed = False
+        # Fragments found non-finite and put back on a good global (see _non_finite).
+        self.non_finite_restored = 0
 
     # -- joining and leaving ---------------------------------------------------
     def __enter__(self) -> DecoupledDiLoCo:
@@ -311,8 +313,24 @@ class DecoupledDiLoCo:
 
     # -- globals in, deltas out ------------------------------------------------
     def _apply(self, p: int, stamp: Stamp, flat: torch.Tensor, mix_alpha: float) -> None:
-        self.fragments.apply(p, stamp, flat, self.params, mix_alpha)
+        if not self.fragments.apply(p, stamp, flat, self.params, mix_alpha):
+            self._non_finite(p, "the global taken as it is")
         self.metrics.version.labels(str(p)).set(stamp[1])
+
+    def _non_finite(self, p: int, what: str) -> None:
+        """Fragment ``p``'s own weights were not finite (its training blew up):
+        counted, logged, and the optimizer's state of its parameters dropped
+        (it saw the same values), so nothing non-finite stays behind."""
+        self.non_finite_restored += 1
+        log.warning(
+            "learner %s: fragment %d's weights are not finite: %s (%d so far)",
+            self.learner_id, p, what, self.non_finite_restored,
+        )  # fmt: skip
+        if self.optimizer is not None:
+            names = {spec.name for spec in self.plan.fragment_specs(p)}
+            for name, param in self.params.items():
+                if name in names:
+                    self.optimizer.state.pop(param, None)
 
     @property
     def globals_rejected(self) -> Counter[str]:
@@ -341,6 +359,10 @@ class DecoupledDiLoCo:
         # Every rank of a group marks the progress as sent, rank 0 sends it: the
         # ranks then land the next global under the same unsent progress.
         delta = self.fragments.send(p, step, self.params)
+        if delta is None:
+            self.fragments.restore(p, self.params)
+            self._non_finite(p, "put back on the last good global, nothing sent")
+            return
         if not self.group.leader or self.comm is None:
             return
         self.seq += 1

@@ -139,16 +139,19 @@ class SyncerMetrics:
         p.bytes_out.set(stats.bytes_sent)
 
     def summary(self, stats: TransportStats) -> dict[str, Any]:
-        """Totals of the run. ``deltas_rejected`` is every refused entry, whatever
-        its reason (frames the transport refused too, as ``transport_<reason>``):
-        it is the sum of ``rejected_by_reason``. Duplicates are acked, not
-        refused, and counted beside it."""
-        by_reason = dict(self.rejected) | {f"transport_{k}": v for k, v in stats.rejected.items()}
+        """Totals of the run. Each counter counts one thing: ``deltas_rejected``
+        the deltas the syncer refused (the sum of ``rejected_by_reason``);
+        ``transport_refused`` the frames and messages the transport refused
+        before they reached the syncer (malformed, unauthenticated, a key
+        claiming another's id: ``transport_refused_by_reason``). Duplicates
+        are acked, not refused, and counted beside them."""
         return {
             "fragments_published": self.rounds,
             "deltas_applied": self.deltas_applied,
-            "deltas_rejected": sum(by_reason.values()),
-            "rejected_by_reason": by_reason,
+            "deltas_rejected": sum(self.rejected.values()),
+            "rejected_by_reason": dict(self.rejected),
+            "transport_refused": sum(stats.rejected.values()),
+            "transport_refused_by_reason": dict(stats.rejected),
             "duplicates": self.duplicates,
             "snapshot_requests_rate_limited": stats.rate_limited,
             "deltas_clipped": self.deltas_clipped,

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from broker.keys import make_keys
 from broker.settings import default_quorum
 from compose.throttle import parse_rate
 from tests.docker_env import (
@@ -74,6 +75,7 @@ class Cluster:
             "DDILOCO_IMAGE": images.app,
             "DDILOCO_REDIS_IMAGE": images.redis,
             "DDILOCO_RUN_DIR": str(run_dir),
+            "DDILOCO_KEYS_DIR": str(make_keys(run_dir.parent / "keys")),
             "DDILOCO_RUN_ID": self.project,
             "DDILOCO_SYNCER_METRICS_PORT": str(free_port()),
             "DDILOCO_LEARNER_REPLICAS": str(replicas),
@@ -339,6 +341,8 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
         "DDILOCO_IMAGE": images.app,
         "DDILOCO_REDIS_IMAGE": images.redis,
         "DDILOCO_RUN_DIR": str(run_dir),
+        # Deployed as swarm secrets (compose/compose.yaml's top-level secrets).
+        "DDILOCO_KEYS_DIR": str(make_keys(tmp_path / "keys")),
         "DDILOCO_RUN_ID": stack,
         "DDILOCO_SYNCER_METRICS_PORT": str(free_port()),
         "DDILOCO_LEARNER_REPLICAS": "2",
@@ -366,6 +370,14 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
         listed = run(["docker", "stack", "services", stack, "--format", "{{json .}}"])
         services = {json.loads(line)["Name"]: json.loads(line) for line in listed.splitlines()}
         assert services[f"{stack}_learner"]["Replicas"] == "2/2"
+        # The keys went as swarm secrets: the syncer's five, a learner's three.
+        secrets = {s.name for s in client.secrets.list()}
+        assert {f"{stack}_{name}" for name in ("join.secret", "signing.key")} <= secrets
+        learner_spec = client.services.get(f"{stack}_learner").attrs["Spec"]
+        given = learner_spec["TaskTemplate"]["ContainerSpec"].get("Secrets", [])
+        assert sorted(s["File"]["Name"] for s in given) == [
+            "join.secret", "signing.pub", "syncer.curve.pub"
+        ]  # fmt: skip
     finally:
 
         def gone() -> bool:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.servers import RedisServer
+from compose.processes import free_port_pair
+from tests.attackers import Outcome, attack_live_run
+from tests.servers import RedisServer, wait_until
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,3 +207,62 @@ def test_deferred_evaluations_are_dated_by_their_copies(tmp_path: Path, mode: st
     assert copies[0]["loss"] > 5.0 and copies[-1]["loss"] < copies[0]["loss"] - 1.0
     # The run's curve holds them all, in time order.
     assert [e["loss"] for e in events if e["event"] == "eval"] == [e["loss"] for e in evals]
+
+
+@pytest.mark.timeout(420)
+def test_attackers_inside_a_live_zmq_run_neither_read_steer_nor_stall_it(tmp_path: Path) -> None:
+    """The issue's run (2 learners, 150 steps, keys on by default) with an
+    outsider and a holder of the join secret attacking it from the start of
+    training to its end. Before keys: two squatters filled the roster (the
+    model never moved, final loss 5.57); posing as learner-0 with an
+    incarnation 50 s ahead got the real learner's deltas dropped as
+    duplicates (with poisoned deltas, final loss 11,970); anyone read the fp32
+    weights and took every learner slot. Now the outsider gets nothing, the
+    impostor's messages are refused, and the run trains as a clean one does."""
+    out = tmp_path / "run"
+    port = free_port_pair()
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "compose.cli", "local", "--out", str(out), "--no-progress",
+            "--learners", "2", "--steps", "150", "--url", f"zmq://127.0.0.1:{port}",
+        ],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stop = threading.Event()
+    results: dict[str, Outcome] = {}
+    try:
+        # From the real learners' first steps: each holds its id by then.
+        wait_until(lambda: len(list((out / "learners").glob("*.jsonl"))) == 2, 120)
+        run_id = (out / "run-id").read_text().strip()
+        attack = threading.Thread(
+            target=lambda: results.update(
+                attack_live_run(run_id, f"tcp://127.0.0.1:{port}", out / "keys", stop)
+            )
+        )
+        attack.start()
+        _, stderr = proc.communicate(timeout=400)
+        stop.set()
+        attack.join(timeout=30)
+    finally:
+        stop.set()
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    outsider, joiner = results["outsider"], results["joiner"]
+    # The outsider never completed a handshake: nothing sent, nothing back.
+    assert outsider.sent == 0 and not outsider.replies and outsider.globals_seen == 0
+    # The joiner was refused every message as learner-0, and every slot of it.
+    refused = summary["transport_refused_by_reason"]
+    assert refused.get("identity_taken", 0) >= 10, refused
+    assert "LeaseGrant" not in joiner.replies and joiner.replies["GlobalFragment"] > 0
+    # Snapshot requests were answered at most once per version and interval, and
+    # counted apart from the refused deltas.
+    assert summary["deltas_rejected"] <= 0.1 * summary["deltas_applied"]
+    assert set(summary["rejected_by_reason"]) <= {"stale"}
+    # Only the two real learners were merged, each in its own incarnation.
+    merged = {(k[0], k[1]) for e in events if e["event"] == "round" for k in e["keys"]}
+    assert {name for name, _ in merged} == {"learner-0", "learner-1"}
+    assert len(merged) == 2 and summary["duplicates"] == 0
+    # And the model trained as a clean run does (clean: 2.49-2.59).
+    assert summary["final_eval_loss"] < 2.8, summary["final_eval_loss"]

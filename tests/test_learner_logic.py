@@ -89,6 +89,29 @@ def test_mixing_keeps_alpha_of_the_local_weights() -> None:
     assert torch.equal(sync.base[1], glob)  # the delta is measured against the global
 
 
+@pytest.mark.parametrize(("keep_unsent", "mix_alpha"), [(True, 0.0), (False, 0.5)])
+def test_non_finite_local_weights_never_survive_a_global(
+    keep_unsent: bool, mix_alpha: float
+) -> None:
+    """A fragment whose own weights blew up (NaN) takes the global as it is:
+    no progress kept on top of it, no mixing; apply says so (False)."""
+    sync = FragmentSync(PLAN, overlap=1, flush_before_overwrite=True, keep_unsent=keep_unsent)
+    p = params()
+    sync.apply(0, (0, 1), PLAN.flatten(p, 0), p)
+    sync.trained(10)
+    p["a"][1] = float("nan") if PLAN.owner[0] == 0 else p["a"][1]
+    p["b"][0, 0] = float("inf") if PLAN.owner[0] != 0 else p["b"][0, 0]
+    assert sync.send(0, 4, p) is None  # nothing sent of a non-finite fragment
+    glob = torch.full((PLAN.fragment_numel(0),), 3.0)
+    assert sync.apply(0, (0, 2), glob, p, mix_alpha=mix_alpha) is False
+    assert torch.equal(PLAN.flatten(p, 0), glob) and sync.c_steps[0] == 0
+    sync.trained(1)
+    p["a"] += 1.0
+    p["b"] += 1.0
+    sync.restore(0, p)  # back on the last good global
+    assert torch.equal(PLAN.flatten(p, 0), glob) and sync.c_steps[0] == 0
+
+
 @pytest.mark.parametrize(
     ("trained", "sent_at", "flag", "expected"),
     [

@@ -469,3 +469,37 @@ def test_a_global_forged_into_redis_with_a_huge_version_locks_no_learner_out(
             wait_until(recovered, 60, interval_s=0, what="the learner to count again")
         assert sync.stats.refused["future_version"] >= 1
         assert syncer.metrics.rejected["future_version"] >= 1
+
+
+@pytest.mark.timeout(120)
+def test_a_blown_up_fragment_never_reaches_the_syncer_or_stays(tmp_path: Path) -> None:
+    """Training that made a fragment's weights NaN (a bad batch, an overflow):
+    the learner sends nothing of it, puts it back on the last good global it
+    took, drops the optimizer's state of its parameters, counts it, and trains
+    on; the syncer sees no refused or non-finite delta."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with running_syncer(tmp_path, model, learners=1, quorum=1) as (syncer, url):
+        with DecoupledDiLoCo(
+            model, url, learner_id="nan", learners=1, optimizer=opt, **SETTINGS
+        ) as sync:
+            train(sync, model, steps=8, seed=0, opt=opt)
+            poisoned = model.embed.weight
+            p = next(i for i in range(2) if "embed.weight" in
+                     {s.name for s in sync.plan.fragment_specs(i)})  # fmt: skip
+            good = sync.fragments.base[p].clone()
+            with torch.no_grad():
+                poisoned[0, 0] = float("nan")
+            assert opt.state[poisoned]  # Adam's moments of the poisoned tensor
+            while p not in sync.plan.fragments_due(sync.step_count + 1):
+                sync.step(weight=1)
+            sent_before = sync.seq
+            sync.step(weight=1)  # the fragment's send: refused by the learner itself
+            assert sync.non_finite_restored == 1 and poisoned not in opt.state
+            assert torch.isfinite(poisoned).all()
+            assert torch.equal(sync.plan.flatten(sync.params, p), sync.fragments.base[p])
+            assert sync.fragments.base_version[p] >= 0 and good.numel() > 0
+            assert sync.seq == sent_before  # nothing of it left for the syncer
+            train(sync, model, steps=8, seed=1, opt=opt)
+        assert sync.delivered and not syncer.metrics.rejected
+        assert all(torch.isfinite(s.weights).all() for s in syncer.states.values())

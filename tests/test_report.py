@@ -131,7 +131,8 @@ def run_events() -> list[Event]:
             "event": "summary",
             "source": "syncer",
             "duplicates": 4,
-            "rejected_by_reason": {"stale": 1, "transport_bad_magic": 3},
+            "rejected_by_reason": {"stale": 1},
+            "transport_refused_by_reason": {"bad_magic": 3},
         },
         {"t": 8.0, "event": "run_end"},
     ]
@@ -152,8 +153,10 @@ def test_summary_by_hand() -> None:
     assert s["eval_curve"] == [[0, 5.5], [6500, 2.25]]
     assert s["fragments_published"] == 3
     assert s["deltas_applied"] == 2 + 2 + 1
-    assert s["deltas_rejected"] == 2 + 3  # two reject events, three bad frames
-    assert s["rejected_by_reason"] == {"quarantined": 1, "stale": 1, "transport_bad_magic": 3}
+    assert s["deltas_rejected"] == 2  # two reject events
+    assert s["rejected_by_reason"] == {"quarantined": 1, "stale": 1}
+    # Three bad frames, counted apart: they were never deltas.
+    assert s["transport_refused"] == 3 and s["transport_refused_by_reason"] == {"bad_magic": 3}
     assert s["duplicates"] == 4
     # Last cumulative counter of each incarnation, summed:
     # learner-0 inc 0 (step at 3.0) + learner-0 inc 1 (done) + learner-1 (done).
