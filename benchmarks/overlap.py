@@ -9,6 +9,8 @@ contended CPU, so the ratio isolates what syncing costs the training loop.
 One JSON per finished run (a rerun skips runs already done), then
 ``overlap-<mode>.json`` (``steps_per_s_sync``, ``steps_per_s_nosync``,
 ``ratio``, per run and their mean) and ``overlap-<mode>.png``. Target: ratio >= 0.95.
+Runs have the run's keys, as ``ddiloco local`` does by default; ``--insecure``
+runs them without (``overlap-<mode>-insecure.json``), for what keys cost.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--smoke", action="store_true", help="CI: 2 small learners, a minute")
     which.add_argument("--quick", action="store_true", help="4 learners, 144 steps")
+    ap.add_argument("--insecure", action="store_true", help="runs without the run's keys")
     ap.add_argument(
         "--out",
         default="benchmarks/results/overlap",
@@ -72,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     mode = MODES[name]
+    if args.insecure:
+        mode = {**mode, "extra": [*mode["extra"], "--insecure"]}
+        name += "-insecure"
     out = Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
     runs = [run_once(out, mode, seed) for seed in mode["seeds"]]

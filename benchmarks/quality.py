@@ -60,7 +60,11 @@ TARGETS = {"decoupling_cost_mean": 0.01, "gap_to_ddp": 0.141}
 
 
 def run_once(
-    out: Path, mode: dict[str, Any], system: str, seed: int, extra: list[str],
+    out: Path,
+    mode: dict[str, Any],
+    system: str,
+    seed: int,
+    extra: list[str],
     variant: tuple[str, list[str]] | None = None,
 ) -> dict[str, Any]:
     """One run of one system, or its stored result (if run with today's settings).

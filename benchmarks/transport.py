@@ -2,6 +2,7 @@
 against the raw library moving the same bytes the same way, in the same run.
 
     python -m benchmarks.transport [--smoke | --quick] [--out benchmarks/results/transport.json]
+    python -m benchmarks.transport --keys [--smoke | --quick]   # the cost of the run's keys
 
 One learner process sends fp32 deltas of each size; one syncer process
 receives and acknowledges each (as a syncer does after its update is durable,
@@ -20,7 +21,14 @@ MB/s over its baseline's at the same size. The two are measured in pairs,
 alternately first (ours then raw, raw then ours, ...), ``pairs`` times per size:
 a pair runs within seconds, so a slow minute of the disk (fsync, for Redis)
 or of the machine falls on both of its halves, and ``ratio_vs_raw`` in
-``summary`` is the median of the pairs' ratios. Every process, ours and the
+``summary`` is the median of the pairs' ratios.
+
+With ``--keys`` the baseline is the same backend without keys (``--insecure``)
+instead of the raw library, measured in the same alternating pairs:
+``ratio_vs_raw`` is then keys on over keys off (ZeroMQ: CURVE encryption and
+the per-message key check; both backends: nothing else on the delta path).
+The JSON also gets ``signatures``: seconds per MB to sign a global and to
+check its signature (median of 5), at each size. Every process, ours and the
 baselines', freezes its startup heap before it is timed, as the services do
 (:func:`broker.runtime.freeze_startup_heap`): a full garbage collection over
 torch's objects costs a tenth of a second whichever code triggers it.
@@ -44,9 +52,10 @@ import numpy as np
 
 from broker.codecs import Codec
 from broker.connect import connect_learner, connect_syncer
+from broker.keys import GlobalSigner, GlobalVerifier, RunKeys, make_keys
 from broker.runtime import freeze_startup_heap
 from broker.transport import Backpressure
-from broker.wire import Delta
+from broker.wire import Delta, GlobalFragment
 
 RUN = "bench"
 PLAN = "0123456789abcdef"
@@ -65,8 +74,9 @@ MODES: dict[str, tuple[tuple[float, ...], dict[str, float], int]] = {
 }
 
 
-def _syncer(url: str, ready: Any, stop: Any) -> None:
-    transport = connect_syncer(url, run_id=RUN, syncer_id="bench", fragments=[0])
+def _syncer(url: str, ready: Any, stop: Any, keys_dir: str | None) -> None:
+    keys = RunKeys.load(keys_dir, "syncer") if keys_dir else None
+    transport = connect_syncer(url, run_id=RUN, syncer_id="bench", fragments=[0], keys=keys)
     freeze_startup_heap()
     ready.set()
     while not stop.is_set():
@@ -76,10 +86,12 @@ def _syncer(url: str, ready: Any, stop: Any) -> None:
     transport.close()
 
 
-def measure(backend: str, url: str, size_bytes: int, count: int) -> dict[str, Any]:
+def measure(
+    backend: str, url: str, size_bytes: int, count: int, keys_dir: str | None = None
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_syncer, args=(url, ready, stop), daemon=True)
+    proc = ctx.Process(target=_syncer, args=(url, ready, stop, keys_dir), daemon=True)
     proc.start()
     if not ready.wait(_START_TIMEOUT_S):
         raise RuntimeError("syncer side did not start")
@@ -91,6 +103,7 @@ def measure(backend: str, url: str, size_bytes: int, count: int) -> dict[str, An
         learner_id="bench-learner",
         incarnation=INCARNATION,
         num_fragments=1,
+        keys=RunKeys.load(keys_dir, "learner") if keys_dir else None,
     )
     numel = size_bytes // 4
     payload = np.random.default_rng(0).standard_normal(numel, dtype=np.float32).tobytes()
@@ -134,7 +147,8 @@ def measure(backend: str, url: str, size_bytes: int, count: int) -> dict[str, An
         learner.close()
         stop.set()
         proc.join(30)
-    return _result(backend, size_bytes, count, elapsed) | {"wire_bytes_total": wire_bytes}
+    name = f"{backend}+keys" if keys_dir else backend
+    return _result(name, size_bytes, count, elapsed) | {"wire_bytes_total": wire_bytes}
 
 
 def _raw_zmq_receiver(endpoint: str, ready: Any, stop: Any) -> None:
@@ -233,12 +247,15 @@ def measure_raw_redis(url: str, size_bytes: int, count: int) -> dict[str, Any]:
 
 
 def measure_pair(
-    backend: str, url: str, size_bytes: int, count: int, raw_first: bool
+    backend: str, url: str, size_bytes: int, count: int, raw_first: bool, keys_dir: str | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Ours and the raw library's, one right after the other, in the order given."""
+    """Ours and its baseline, one right after the other, in the order given: the
+    raw library's, or (``keys_dir``) ours with keys against ours without."""
     from compose.processes import free_port_pair
 
     def raw() -> dict[str, Any]:
+        if keys_dir:
+            return measure(backend, url, size_bytes, count)
         if backend == "zmq":
             endpoint = f"tcp://127.0.0.1:{free_port_pair()}"
             return measure_raw_zmq(endpoint, size_bytes, count)
@@ -246,8 +263,41 @@ def measure_pair(
 
     if raw_first:
         base = raw()
-        return measure(backend, url, size_bytes, count), base
-    return measure(backend, url, size_bytes, count), raw()
+        return measure(backend, url, size_bytes, count, keys_dir), base
+    return measure(backend, url, size_bytes, count, keys_dir), raw()
+
+
+def signature_costs(sizes_mb: tuple[float, ...], repeats: int = 5) -> list[dict[str, Any]]:
+    """Seconds per MB to sign a global of each size and to check it (median)."""
+    keys_dir = make_keys(Path(tempfile.mkdtemp(prefix="ddiloco-bench-keys-")) / "keys")
+    signer = GlobalSigner(RunKeys.load(keys_dir, "syncer"))
+    verifier = GlobalVerifier(RunKeys.load(keys_dir, "learner"))
+    out = []
+    for mb in sizes_mb:
+        size = int(mb * 1024 * 1024)
+        payload = np.random.default_rng(0).standard_normal(size // 4, dtype=np.float32).tobytes()
+        g = GlobalFragment(
+            run_id=RUN, fragment=0, plan_hash=PLAN, version=1, codec=Codec("fp32"),
+            numel=size // 4, payload=payload,
+        )  # fmt: skip
+        sign_s, verify_s = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            signed = signer.sign(g)
+            sign_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            if not verifier.verify(signed):
+                raise RuntimeError("a signature did not verify")
+            verify_s.append(time.perf_counter() - start)
+        out.append(
+            {
+                "fragment_bytes": size,
+                "sign_s_per_mb": round(statistics.median(sign_s) / (size / 1e6), 6),
+                "verify_s_per_mb": round(statistics.median(verify_s) / (size / 1e6), 6),
+            }
+        )
+        print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 def _result(backend: str, size_bytes: int, count: int, elapsed: float) -> dict[str, Any]:
@@ -273,7 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--smoke", action="store_true", help="CI: 1 MB, 32 MB, one pair")
     which.add_argument("--quick", action="store_true", help="1 and 16 MB, 3 pairs")
     ap.add_argument("--redis-url", default=None, help="default: start a private redis-server")
+    ap.add_argument(
+        "--keys", action="store_true", help="baseline: the same backend without the run's keys"
+    )
     args = ap.parse_args(argv)
+    keys_dir = None
+    if args.keys:
+        keys_dir = str(make_keys(Path(tempfile.mkdtemp(prefix="ddiloco-bench-keys-")) / "keys"))
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     sizes_mb, bytes_per_backend, pairs = MODES[mode]
     freeze_startup_heap()
@@ -300,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                 count = max(8, int(bytes_per_backend[backend] // size))
                 ratios, ours_mb_s, raw_mb_s = [], [], []
                 for pair in range(pairs):
-                    mine, base = measure_pair(backend, url, size, count, raw_first=pair % 2 == 1)
+                    mine, base = measure_pair(
+                        backend, url, size, count, raw_first=pair % 2 == 1, keys_dir=keys_dir
+                    )
                     mine["ratio_vs_raw"] = round(mine["mb_per_s"] / base["mb_per_s"], 3)
                     for r in (mine, base):
                         r["pair"] = pair
@@ -337,18 +395,20 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "mode": mode,
                 "window": WINDOW,
+                "baseline": "keys off" if args.keys else "raw library",
                 "summary": summary,
+                "signatures": signature_costs(sizes_mb) if args.keys else [],
                 "results": results,
             },
             indent=2,
         )
         + "\n"
     )
-    _plot(summary, out.with_suffix(".png"))
+    _plot(summary, out.with_suffix(".png"), "keys off" if args.keys else "raw library")
     return 0
 
 
-def _plot(summary: list[dict[str, Any]], path: Path) -> None:
+def _plot(summary: list[dict[str, Any]], path: Path, baseline: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -357,7 +417,7 @@ def _plot(summary: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     at = np.arange(len(summary))
     ax.bar(at - 0.2, [s["mb_per_s"] for s in summary], 0.4, label="ddiloco")
-    ax.bar(at + 0.2, [s["raw_mb_per_s"] for s in summary], 0.4, label="raw library")
+    ax.bar(at + 0.2, [s["raw_mb_per_s"] for s in summary], 0.4, label=baseline)
     ax.set_xticks(at)
     ax.set_xticklabels(
         [

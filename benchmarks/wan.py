@@ -153,9 +153,8 @@ def time_to_target(
     if run["system"] == "decoupled":
         return first_reach(run["curve_seconds"], target), "read off its held-out loss curve"
     steps = first_reach(free["curve_steps"], target)
-    how = (
-        f"steps to target unthrottled x seconds per step over {run['timed_steps']} steps"
-        + (" at this rate" if run["rate_mbit"] else "")
+    how = f"steps to target unthrottled x seconds per step over {run['timed_steps']} steps" + (
+        " at this rate" if run["rate_mbit"] else ""
     )
     return (None if steps is None else steps * run["seconds_per_step"]), how
 

@@ -58,12 +58,8 @@ class RunSettings:
     # change from the one before (README: compressed downlink)
     global_codec: Codec = Codec("int2", "zstd")
     initial_model: str = "initial-model.safetensors"  # written by `ddiloco init`
-    # The run's key folder (`ddiloco keys --keys DIR`): every process enrolls
-    # with it, ZeroMQ runs under CURVE, globals are signed (docs/security.md).
-    keys: str = "keys"
-    # Where the learners' and syncers' Prometheus endpoints (--metrics-port)
-    # listen: this host only, unless opened on purpose (0.0.0.0 in a cluster).
-    metrics_host: str = "127.0.0.1"
+    keys: str = "keys"  # the run's key folder (`ddiloco keys`): enrollment, CURVE, signed globals
+    metrics_host: str = "127.0.0.1"  # where --metrics-port endpoints listen
     insecure: bool = False  # no keys: anyone who reaches the broker can read and steer the run
 
     def run_keys(self, role: str) -> RunKeys | None:
