@@ -53,9 +53,20 @@ MAX_LEARNER_SLOTS = 4096
 MAX_LEASE_TTL_S = 3600.0
 
 
+_SLOT_ID_PREFIX = "learner-"
+
+
 def learner_id_of(slot: int) -> str:
     """The learner id that goes with a learner slot."""
-    return f"learner-{slot}"
+    return f"{_SLOT_ID_PREFIX}{slot}"
+
+
+def slot_of(learner_id: str) -> int | None:
+    """The learner slot whose id ``learner_id`` is, if it is one."""
+    number = learner_id.removeprefix(_SLOT_ID_PREFIX)
+    if number == learner_id or not number.isdigit() or int(number) >= MAX_LEARNER_SLOTS:
+        return None
+    return int(number)
 
 
 def lease_request_ok(ttl_s: float, held_slot: int) -> bool:

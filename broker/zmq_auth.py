@@ -27,7 +27,7 @@ import zmq
 from zmq.utils import z85
 
 from broker.keys import RunKeys, curve_key_hex, proof_ok
-from broker.transport import MAX_LEARNER_SLOTS
+from broker.transport import MAX_LEARNER_SLOTS, slot_of
 from broker.wire import Enroll
 
 log = logging.getLogger(__name__)
@@ -106,8 +106,23 @@ class Members:
             self._bound[learner_id] = key
         return None
 
+    def slots_held_by_others(self, key_z85: str) -> frozenset[int]:
+        """Learner slots whose id (``learner-<slot>``) a live key other than
+        ``key_z85`` holds: a lease of them would hand that id over."""
+        key = curve_key_hex(key_z85)
+        now = time.monotonic()
+        held = set()
+        with self._lock:
+            for learner_id, holder in self._bound.items():
+                slot = slot_of(learner_id)
+                live = now - self._last_heard.get(holder, -float("inf")) < self._hold_s
+                if slot is not None and holder != key and live:
+                    held.add(slot)
+        return frozenset(held)
+
     def bind(self, key_z85: str, learner_id: str) -> None:
-        """``learner_id`` is the key's now: it holds that id's learner slot."""
+        """``learner_id`` is the key's now: it holds that id's learner slot
+        (granted only when no other live key holds the id)."""
         with self._lock:
             self._bound[learner_id] = curve_key_hex(key_z85)
 

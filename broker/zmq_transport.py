@@ -723,10 +723,15 @@ class SlotLeases:
         self._leases: dict[int, tuple[str, str, float]] = {}  # slot -> (holder, key, expiry)
         self._started = time.monotonic()
 
-    def grant(self, req: LeaseRequest, owner: str = "") -> int | None:
+    def grant(
+        self, req: LeaseRequest, owner: str = "", in_use: frozenset[int] = frozenset()
+    ) -> int | None:
         """The slot ``req`` gets, or None when it gets none now (it asks again).
         ``owner``: the key the request came on (with the run's keys): a lease is
-        renewed only by the key that took it, whatever holder name another uses."""
+        renewed only by the key that took it, whatever holder name another uses.
+        ``in_use``: slots whose learner id another live key sends as (a learner
+        that named itself ``learner-<slot>``): never granted, or its id would be
+        handed over."""
         if not lease_request_ok(req.ttl_s, req.held_slot):
             self._stats.rejected["bad_lease"] += 1
             return None
@@ -737,6 +742,8 @@ class SlotLeases:
             if (holder, key) == (req.holder, owner)
         ]
         taken = {s for s, (_, _, expiry) in self._leases.items() if expiry > now} - set(mine)
+        taken |= in_use
+        mine = [s for s in mine if s not in in_use]
         if mine:
             slot = min(mine)
         elif req.held_slot >= 0 and req.held_slot not in taken:
@@ -947,7 +954,8 @@ class ZmqSyncerTransport(SyncerTransport):
         self.stats.messages_sent += 1
 
     def _answer_lease(self, identity: bytes, req: LeaseRequest, owner: str) -> None:
-        slot = self._leases.grant(req, owner)
+        in_use = self._members.slots_held_by_others(owner) if self._members else frozenset()
+        slot = self._leases.grant(req, owner, in_use)
         if slot is not None and self._members is not None:
             # The slot's learner id goes with it: nobody else may send as it.
             self._members.bind(owner, learner_id_of(slot))

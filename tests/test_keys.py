@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -331,3 +332,34 @@ def test_a_forged_global_never_reaches_a_keyed_learner(keys_dir: Path) -> None:
     finally:
         learner.close()
         rogue.close()
+
+
+def test_a_lease_never_hands_over_the_id_of_a_learner_that_named_itself(keys_dir: Path) -> None:
+    """learner-0 named itself (``ddiloco local``); another key's lease request
+    asks for slot 0 by that learner's holder name: it gets another slot, and
+    learner-0 stays bound to the real learner's key."""
+    syncer, real = keyed_pair(keys_dir)
+    ep = syncer._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+    other = ZmqLearnerTransport([ep], RUN, "x", 1, 2, keys=RunKeys.load(keys_dir, "learner"))
+    stop = threading.Event()
+    pump = threading.Thread(target=lambda: [syncer.receive(0.02) for _ in iter(stop.is_set, True)])
+    try:
+        beat = Heartbeat(run_id=RUN, learner_id="learner-0", incarnation=1)
+
+        def heard() -> bool:
+            real.send_heartbeat(beat)
+            return any(isinstance(m, Heartbeat) for m in received(syncer, 0.2))
+
+        wait_until(heard, 15, what="learner-0's heartbeat")
+        pump.start()
+        slot = other.lease("learner-0", ttl_s=0.001, timeout_s=10, held_slot=0)
+        assert slot != 0
+        other.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0", incarnation=9))
+        wait_until(lambda: syncer.stats.rejected["identity_taken"] >= 1, 10)
+    finally:
+        stop.set()
+        if pump.is_alive():
+            pump.join()
+        other.close()
+        real.close()
+        syncer.close()
