@@ -87,6 +87,12 @@ _JOIN_MAX_RETRY_S = 2.0
 # or a syncer restarting) is tried again this soon, without backing off: the
 # backoff is for requests that went out, whose answers are whole fragments.
 _UNSENT_RETRY_S = 0.02
+# Refusals of who we are, not of a delta's content (broker/zmq_auth.py).
+_IDENTITY_REFUSALS = {
+    "identity_taken": "another key holds this learner id; give this learner another id",
+    "revoked": "this learner was revoked (ddiloco keys revoke)",
+    "read_only": "this process enrolled as a reader",
+}
 # With keys: how often a learner repeats its enrollment (tiny) when nothing
 # else carried it, so a restarted syncer admits its subscription again soon.
 _ENROLL_EVERY_S = 1.0
@@ -590,6 +596,11 @@ class ZmqLearnerTransport(LearnerTransport):
         if not self._deltas.settle(refusal.seq):
             return  # already handled (a refusal of a resent delta)
         self.stats.refused[refusal.reason] += 1
+        if refusal.reason in _IDENTITY_REFUSALS and self.stats.refused[refusal.reason] == 1:
+            log.error(
+                "learner %s: the syncer refuses our deltas (%s): %s",
+                self.learner_id, refusal.reason, _IDENTITY_REFUSALS[refusal.reason],
+            )  # fmt: skip
         if refusal.fragment < self.num_fragments:
             self._refused(refusal.fragment)
             self._requests.resync(refusal.fragment)
@@ -888,9 +899,12 @@ class ZmqSyncerTransport(SyncerTransport):
         sock.curve_publickey = keys.curve_public
         sock.zap_domain = domain
 
-    def _refused_by_members(self, frame: zmq.Frame, msg: wire.Message) -> bool:
+    def _refused_by_members(self, identity: bytes, frame: zmq.Frame, msg: wire.Message) -> bool:
         """With keys: whether the key ``frame`` came on may not send ``msg``
-        (counted by reason); an enrollment is handled here."""
+        (counted by reason); an enrollment is handled here. A refused delta is
+        answered (to the connection it came on, so nobody else can make a
+        learner drop its deltas): a learner whose id another key holds learns
+        it, rather than resending into silence."""
         if self._members is None:
             return False
         key = _peer_key(frame)
@@ -904,6 +918,8 @@ class ZmqSyncerTransport(SyncerTransport):
             reason = self._members.check(key, None, writes=False)
         if reason is not None:
             self.stats.rejected[reason] += 1
+            if isinstance(msg, Delta):
+                self._send_to(identity, (wire.encode(Refusal.of(msg, reason)),))
         return reason is not None or isinstance(msg, Enroll)
 
     def receive(self, timeout_s: float) -> list[Inbound]:
@@ -924,7 +940,7 @@ class ZmqSyncerTransport(SyncerTransport):
                 continue
             if getattr(msg, "run_id", self.run_id) != self.run_id:
                 self.stats.rejected["wrong_run"] += 1
-            elif self._refused_by_members(parts[1], msg):
+            elif self._refused_by_members(identity, parts[1], msg):
                 continue
             elif isinstance(msg, Delta):
                 if msg.fragment in self.fragments:
