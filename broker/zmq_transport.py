@@ -904,7 +904,8 @@ class ZmqSyncerTransport(SyncerTransport):
         (counted by reason); an enrollment is handled here. A refused delta is
         answered (to the connection it came on, so nobody else can make a
         learner drop its deltas): a learner whose id another key holds learns
-        it, rather than resending into silence."""
+        it, rather than resending into silence. A key not enrolled yet gets no
+        answer: its learner enrolls before each delta, and resends it."""
         if self._members is None:
             return False
         key = _peer_key(frame)
@@ -918,7 +919,7 @@ class ZmqSyncerTransport(SyncerTransport):
             reason = self._members.check(key, None, writes=False)
         if reason is not None:
             self.stats.rejected[reason] += 1
-            if isinstance(msg, Delta):
+            if isinstance(msg, Delta) and reason in _IDENTITY_REFUSALS:
                 self._send_to(identity, (wire.encode(Refusal.of(msg, reason)),))
         return reason is not None or isinstance(msg, Enroll)
 
