@@ -327,20 +327,39 @@ def signing_digest(g: GlobalFragment) -> bytes:
 
 
 class GlobalSigner:
-    """Signs every global a syncer publishes with the run's signing key."""
+    """Signs every global a syncer publishes with the run's signing key. A
+    rotated key (``ddiloco keys rotate``) is taken up without a restart: the
+    key file is looked at (a stat) at most every ``recheck_s``."""
 
-    def __init__(self, keys: RunKeys) -> None:
+    def __init__(self, keys: RunKeys, recheck_s: float = 1.0) -> None:
         if keys.signing_key is None:
             raise ConfigError(f"{keys.folder}: a syncer needs {SIGNING_KEY}")
         self._keys = keys
+        self._recheck_s = recheck_s
+        self._checked = time.monotonic()
+        self._stamp = self._file_stamp()
+
+    def _file_stamp(self) -> tuple[int, int]:
+        st = (self._keys.folder / SIGNING_KEY).stat()
+        return st.st_mtime_ns, st.st_ino
 
     def sign(self, g: GlobalFragment) -> GlobalFragment:
+        self._take_up_rotation()
         assert self._keys.signing_key is not None
         return replace(g, signature=self._keys.signing_key.sign(signing_digest(g)).hex())
 
-    def reload(self) -> None:
-        """Sign with the folder's current key from now on (a rotation)."""
-        self._keys = self._keys.reloaded()
+    def _take_up_rotation(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < self._recheck_s:
+            return
+        self._checked = now
+        try:
+            stamp = self._file_stamp()
+            if stamp != self._stamp:
+                self._keys, self._stamp = self._keys.reloaded(), stamp
+                log.warning("signing with the rotated key in %s", self._keys.folder)
+        except (OSError, ConfigError) as e:
+            log.warning("signing key not re-read (%s): signing with the one loaded", e)
 
 
 class GlobalVerifier:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from broker import wire
 from broker.errors import ConfigError
@@ -362,4 +363,42 @@ def test_a_lease_never_hands_over_the_id_of_a_learner_that_named_itself(keys_dir
             pump.join()
         other.close()
         real.close()
+        syncer.close()
+
+
+def test_the_signing_key_rotates_while_syncer_and_learner_run(keys_dir: Path) -> None:
+    """`ddiloco keys rotate` on the run's folder: the syncer signs with the new
+    key within a second, the learner accepts it (it re-reads the list), and
+    nothing restarts."""
+    syncer, learner = keyed_pair(keys_dir)
+    assert syncer._signer is not None
+    syncer._signer._recheck_s = 0.0
+    try:
+        version = 0
+
+        def took_one() -> bool:
+            nonlocal version
+            version += 1
+            syncer.receive(0.02)
+            syncer.publish(global_fragment(0, version))
+            got = learner.poll(0.1)
+            for g in got:
+                learner.accepted(g)
+            return bool(got)
+
+        wait_until(took_one, 15, what="a global before the rotation")
+        before = learner.stats.rejected["bad_signature"]
+        new_key = rotate_signing_key(keys_dir)
+        wait_until(took_one, 15, what="a global after the rotation")
+        # The syncer signs with the new key alone now.
+        only_new = replace(
+            RunKeys.load(keys_dir, "learner"),
+            verify_keys=(Ed25519PublicKey.from_public_bytes(bytes.fromhex(new_key)),),
+        )
+        signer = syncer._signer
+        assert signer is not None
+        assert GlobalVerifier(only_new).verify(signer.sign(global_fragment(1, 1)))
+        assert learner.stats.rejected["bad_signature"] == before
+    finally:
+        learner.close()
         syncer.close()
