@@ -734,6 +734,10 @@ class SlotLeases:
         self._leases: dict[int, tuple[str, str, float]] = {}  # slot -> (holder, key, expiry)
         self._started = time.monotonic()
 
+    def leased_slots(self) -> frozenset[int]:
+        """Every slot a lease was granted for (running or run out)."""
+        return frozenset(self._leases)
+
     def grant(
         self, req: LeaseRequest, owner: str = "", in_use: frozenset[int] = frozenset()
     ) -> int | None:
@@ -971,7 +975,11 @@ class ZmqSyncerTransport(SyncerTransport):
         self.stats.messages_sent += 1
 
     def _answer_lease(self, identity: bytes, req: LeaseRequest, owner: str) -> None:
-        in_use = self._members.slots_held_by_others(owner) if self._members else frozenset()
+        # Slots whose id a learner that named itself sends as; a slot leased
+        # before follows its lease (expired: free, and its id goes with it).
+        in_use: frozenset[int] = frozenset()
+        if self._members is not None:
+            in_use = self._members.slots_held_by_others(owner) - self._leases.leased_slots()
         slot = self._leases.grant(req, owner, in_use)
         if slot is not None and self._members is not None:
             # The slot's learner id goes with it: nobody else may send as it.
