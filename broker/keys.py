@@ -220,8 +220,7 @@ class RunKeys:
                 "or run with --insecure (no keys: anyone who reaches the ports can read "
                 "and steer the run)"
             )
-        for name in NEEDED[role]:
-            _read(where, name)  # each missing file named, in order
+        # Each file is read once below; a missing one is named by _read.
         syncer = role == "syncer"
         return cls(
             folder=where,
@@ -254,7 +253,7 @@ class Identity:
 
     @property
     def key_hex(self) -> str:
-        return z85.decode(self.public).hex()
+        return curve_key_hex(self.public)
 
     @classmethod
     def new(cls) -> Identity:

@@ -38,8 +38,6 @@ AUTO_ID = "auto"  # the learner id that asks for a slot
 _MAX_HOLDER_LEN = 64
 
 
-
-
 def shard_of(slot: int, num_shards: int) -> int:
     """Slots beyond the number of shards share shards, round robin."""
     return slot % num_shards

@@ -143,6 +143,19 @@ def received(syncer: ZmqSyncerTransport, timeout_s: float = 5.0) -> list[wire.Me
     return got
 
 
+def heard_from(syncer: ZmqSyncerTransport, learner: ZmqLearnerTransport) -> Heartbeat:
+    """Send learner-0's heartbeat until the syncer takes one (its key then holds
+    the id); the heartbeat, to send again."""
+    beat = Heartbeat(run_id=RUN, learner_id="learner-0", incarnation=1)
+
+    def heard() -> bool:
+        learner.send_heartbeat(beat)
+        return any(isinstance(m, Heartbeat) for m in received(syncer, 0.2))
+
+    wait_until(heard, 15, what="learner-0's heartbeat")
+    return beat
+
+
 def test_a_keyed_learner_enrolls_sends_and_gets_signed_globals(keys_dir: Path) -> None:
     syncer, learner = keyed_pair(keys_dir)
     try:
@@ -282,13 +295,7 @@ def test_a_reader_may_fetch_but_not_write(keys_dir: Path) -> None:
 def test_a_revoked_learner_is_shut_out_without_a_restart(keys_dir: Path) -> None:
     syncer, learner = keyed_pair(keys_dir)
     try:
-        beat = Heartbeat(run_id=RUN, learner_id="learner-0", incarnation=1)
-
-        def heard() -> bool:
-            learner.send_heartbeat(beat)
-            return any(isinstance(m, Heartbeat) for m in received(syncer, 0.2))
-
-        wait_until(heard, 15, what="the heartbeat")
+        beat = heard_from(syncer, learner)
         revoke(keys_dir, "learner-0")
         time.sleep(1.1)  # the syncer reads the list at most every second
         learner.send_heartbeat(beat)
@@ -345,13 +352,7 @@ def test_a_lease_never_hands_over_the_id_of_a_learner_that_named_itself(keys_dir
     stop = threading.Event()
     pump = threading.Thread(target=lambda: [syncer.receive(0.02) for _ in iter(stop.is_set, True)])
     try:
-        beat = Heartbeat(run_id=RUN, learner_id="learner-0", incarnation=1)
-
-        def heard() -> bool:
-            real.send_heartbeat(beat)
-            return any(isinstance(m, Heartbeat) for m in received(syncer, 0.2))
-
-        wait_until(heard, 15, what="learner-0's heartbeat")
+        heard_from(syncer, real)
         pump.start()
         slot = other.lease("learner-0", ttl_s=0.001, timeout_s=10, held_slot=0)
         assert slot != 0
