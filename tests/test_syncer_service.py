@@ -88,6 +88,22 @@ def snapshot(learner: ZmqLearnerTransport, syncer: Syncer) -> dict[int, GlobalFr
     return got
 
 
+def subscribed(learner: ZmqLearnerTransport, syncer: Syncer, held: GlobalFragment) -> None:
+    """Wait until ``learner``'s subscription reaches the syncer's PUB (a learner's
+    handshake waits for its enrollment; a broadcast before it is missed, and
+    the learner would then fetch the round whole): the syncer announces the
+    version the learner holds until the learner hears one."""
+    heard = learner.stats.messages_received
+
+    def announced() -> bool:
+        syncer.transport.announce(held)
+        syncer.step()
+        learner.poll(0.02)
+        return learner.stats.messages_received > heard
+
+    wait_until(announced, 20, what="learner subscribed")
+
+
 def delta_for(g: GlobalFragment, learner: str, seq: int, shift: float, **kw: object) -> Delta:
     """A learner that moved every weight of the fragment by -shift."""
     fields: dict[str, object] = dict(
@@ -127,6 +143,7 @@ def test_round_checkpoint_publish_ack_and_exactly_once_across_restart(tmp_path: 
         start = snapshot(a, syncer)[0]
         assert start.version == 0
         w0 = start.tensor()
+        subscribed(a, syncer, start)
         a.send_delta(delta_for(start, "a", 1, 0.1))
         b.send_delta(delta_for(start, "b", 1, 0.3))
         b.send_delta(delta_for(start, "b", 2, 0.3, plan_hash="ffffffffffffffff"))
