@@ -45,6 +45,19 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a 0600 file atomically (never readable by others, not
+    even briefly): for keys and secrets."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
     """Write tensors and JSON metadata atomically; returns the bytes written."""
     data = st_save(

@@ -11,6 +11,9 @@
                        one per line, the newest last               (everyone)
     revoked            learner ids shut out of the run, one per line
                        (``ddiloco keys revoke ID``; syncers read it)
+    tls.ca.crt, tls.ca.key, redis.crt, redis.key
+                       the run's CA and the Redis server's certificate, for
+                       ``rediss://`` (:mod:`broker.tls`)
 
 A learner's identity is its own key pair, made when it starts (kept in its
 ``state_dir`` when it has one, so a restart is the same learner): it enrolls
@@ -29,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 import stat
 import time
@@ -47,6 +49,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from zmq.utils import z85
 
 from broker.errors import ConfigError
+from broker.files import write_private
+from broker.tls import TLS_CA, make_tls
 from broker.wire import GlobalFragment
 
 log = logging.getLogger(__name__)
@@ -63,28 +67,17 @@ NEEDED = {
     "learner": (JOIN_SECRET, CURVE_PUBLIC, SIGNING_PUBLIC),
     "reader": (JOIN_SECRET, CURVE_PUBLIC, SIGNING_PUBLIC),
 }
+_PUBLIC_FILES = (CURVE_PUBLIC, SIGNING_PUBLIC, TLS_CA)  # may be readable by others
 _DIGEST_DOMAIN = b"ddiloco global v1\0"
 _ENROLL_DOMAIN = b"ddiloco enroll v1\0"
 _MAX_KEY_FILE_BYTES = 64 * 1024
-
-
-def _write_secret(path: Path, text: str) -> None:
-    """Write ``text`` to a new 0600 file (never readable by others, not even briefly)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _read(folder: Path, name: str) -> str:
     path = folder / name
     try:
         mode = path.stat().st_mode
-        if mode & (stat.S_IRWXG | stat.S_IRWXO) and name not in (CURVE_PUBLIC, SIGNING_PUBLIC):
+        if mode & (stat.S_IRWXG | stat.S_IRWXO) and name not in _PUBLIC_FILES:
             raise ConfigError(
                 f"{path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 it"
             )
@@ -156,12 +149,13 @@ def make_keys(folder: str | Path, *, overwrite: bool = False) -> Path:
     out.chmod(0o700)
     curve_public, curve_secret = zmq.curve_keypair()
     signing = Ed25519PrivateKey.generate()
-    _write_secret(out / JOIN_SECRET, secrets.token_hex(32) + "\n")
-    _write_secret(out / CURVE_SECRET, curve_secret.decode() + "\n")
-    _write_secret(out / CURVE_PUBLIC, curve_public.decode() + "\n")
-    _write_secret(out / SIGNING_KEY, _raw_private(signing).hex() + "\n")
-    _write_secret(out / SIGNING_PUBLIC, _raw_public(signing).hex() + "\n")
-    _write_secret(out / REVOKED, "")
+    write_private(out / JOIN_SECRET, secrets.token_hex(32) + "\n")
+    write_private(out / CURVE_SECRET, curve_secret.decode() + "\n")
+    write_private(out / CURVE_PUBLIC, curve_public.decode() + "\n")
+    write_private(out / SIGNING_KEY, _raw_private(signing).hex() + "\n")
+    write_private(out / SIGNING_PUBLIC, _raw_public(signing).hex() + "\n")
+    write_private(out / REVOKED, "")
+    make_tls(out)
     return out
 
 
@@ -173,8 +167,8 @@ def rotate_signing_key(folder: str | Path) -> str:
     old = _read(out, SIGNING_PUBLIC)
     signing = Ed25519PrivateKey.generate()
     new_public = _raw_public(signing).hex()
-    _write_secret(out / SIGNING_PUBLIC, f"{old}\n{new_public}\n")
-    _write_secret(out / SIGNING_KEY, _raw_private(signing).hex() + "\n")
+    write_private(out / SIGNING_PUBLIC, f"{old}\n{new_public}\n")
+    write_private(out / SIGNING_KEY, _raw_private(signing).hex() + "\n")
     return new_public
 
 
@@ -184,7 +178,7 @@ def revoke(folder: str | Path, learner_id: str) -> None:
     path = out / REVOKED
     listed = path.read_text().split() if path.exists() else []
     if learner_id not in listed:
-        _write_secret(path, "".join(f"{x}\n" for x in [*listed, learner_id]))
+        write_private(path, "".join(f"{x}\n" for x in [*listed, learner_id]))
 
 
 def read_revoked(folder: Path) -> frozenset[str]:
@@ -243,6 +237,16 @@ class RunKeys:
     def revoked(self) -> frozenset[str]:
         return read_revoked(self.folder)
 
+    def tls_ca(self) -> Path:
+        """The run's CA certificate, which a ``rediss://`` client checks the server by."""
+        path = self.folder / TLS_CA
+        if not path.is_file():
+            raise ConfigError(
+                f"no {TLS_CA} in the run's key folder {self.folder}: rediss:// needs the "
+                f"run's CA; make the keys again with `ddiloco keys --keys {self.folder} --force`"
+            )
+        return path
+
 
 @dataclass(frozen=True)
 class Identity:
@@ -277,7 +281,7 @@ class Identity:
         identity = cls.new()
         try:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            _write_secret(path, identity.secret.decode() + "\n")
+            write_private(path, identity.secret.decode() + "\n")
         except OSError as e:
             log.warning("identity not kept (%s): a restart of this process is a newcomer", e)
         return identity

@@ -60,15 +60,18 @@ few exceptions are documented with each side. Invalid messages of our own
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.retry import Retry
 
+from broker.keys import RunKeys
 from broker.transport import TransportError, TransportStats
 from broker.wire import Message, WireError, decode, decode_parts, encode, encode_parts
 
@@ -265,7 +268,20 @@ def is_transient(error: Exception) -> bool:
     )
 
 
-def connect(url: str, socket_timeout_s: float) -> redis.Redis:
+def connect(url: str, socket_timeout_s: float, keys: RunKeys | None = None) -> redis.Redis:
+    """A client for ``url``. With the run's keys, a ``rediss://`` server must hold
+    a certificate of the run's CA for the host dialled; a plain ``redis://``
+    URL to another host is said to be in the clear."""
+    parts = urlsplit(url)
+    tls: dict[str, Any] = {}
+    if keys is not None and parts.scheme == "rediss":
+        tls = {"ssl_ca_certs": str(keys.tls_ca()), "ssl_cert_reqs": "required",
+               "ssl_check_hostname": True}  # fmt: skip
+    elif keys is not None and parts.scheme == "redis" and not _loopback(parts.hostname):
+        log.warning(
+            "%s: redis in the clear, readable on the way; use rediss:// (the run's keys "
+            "hold its CA)", parts.hostname,
+        )  # fmt: skip
     # One immediate retry replaces a pooled connection that a server restart
     # broke; longer outages are the caller's backoff loop's business.
     return redis.Redis.from_url(
@@ -274,7 +290,17 @@ def connect(url: str, socket_timeout_s: float) -> redis.Redis:
         socket_connect_timeout=socket_timeout_s,
         retry=Retry(NoBackoff(), 1),
         decode_responses=False,
+        **tls,
     )
+
+
+def _loopback(host: str | None) -> bool:
+    if host in (None, "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Reconnect:

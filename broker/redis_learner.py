@@ -82,7 +82,7 @@ class RedisLearnerTransport(LearnerTransport):
         self.delta_stream_maxlen = delta_stream_maxlen
         super().__init__()
         self.heartbeats_dropped = 0
-        client = connect(url, socket_timeout_s)
+        client = connect(url, socket_timeout_s, keys)
         self._link = RedisLink(client, f"learner {learner_id}")
         self._lease_slot = client.register_script(LEASE_SLOT)
         self._deltas = DeltaQueue(

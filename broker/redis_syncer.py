@@ -115,7 +115,7 @@ class RedisSyncerTransport(SyncerTransport):
         self.globals_maxlen = globals_maxlen
         self.stats = TransportStats()
         self._max_block_s = min(block_ms / 1000, socket_timeout_s / 2)
-        client = connect(url, socket_timeout_s)
+        client = connect(url, socket_timeout_s, keys)
         warn_without_aof(client, consumer)
         fragment_of = {delta_stream_key(run_id, p): p for p in fragments}
         self._deltas = DeltaReader(

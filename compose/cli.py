@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from broker.cli_config import add_dataclass_args, dataclass_from_args
@@ -59,26 +60,36 @@ THROTTLE_ACTIONS = {
 }
 
 
-KEY_ACTIONS = ("make", "revoke", "rotate")
+KEY_ACTIONS = ("make", "revoke", "rotate", "rotate-tls")
 
 
 def run_keys(action: str, folder: str, learner_id: str | None, force: bool) -> int:
     """``ddiloco keys``: make a run's key folder, revoke a learner (syncers shut
-    it out within a second, no restart), or rotate the signing key."""
-    from broker import keys
+    it out within a second, no restart), rotate the signing key, or issue the
+    Redis server a new TLS certificate."""
+    from broker import keys, tls
 
     if action == "make":
         out = keys.make_keys(folder, overwrite=force)
-        print(f"run keys in {out} (0600; give learners all but syncer.curve and signing.key)")
+        print(
+            f"run keys in {out} (0600): learners get join.secret, syncer.curve.pub, "
+            "signing.pub and tls.ca.crt; tls.ca.key stays with you (docs/security.md)"
+        )
     elif action == "revoke":
         if not learner_id:
             raise ConfigError("ddiloco keys revoke LEARNER_ID: name the learner")
         keys.RunKeys.load(folder, "learner")  # a folder that is a run's keys
         keys.revoke(folder, learner_id)
         print(f"{learner_id} revoked: syncers reading {folder} refuse it from now on")
-    else:
+    elif action == "rotate":
         public = keys.rotate_signing_key(folder)
         print(f"new signing key {public[:16]}...: listed for learners, syncers sign with it")
+    else:
+        hosts = tls.issue_redis_cert(Path(folder))
+        print(
+            f"new {tls.REDIS_CERT} for {', '.join(hosts)}; Redis takes it up with "
+            f"CONFIG SET tls-cert-file PATH tls-key-file PATH (new connections use it)"
+        )
     return 0
 
 

