@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from broker.errors import ConfigError
+
+MLP_RATIO = 4  # a block's feed-forward is this many times d_model wide
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,11 @@ class ModelConfig:
             )
 
 
-class Block(nn.Module):
+class AttentionBlock(nn.Module):
+    """Causal self-attention on a pre-norm residual, and the norm before the
+    feed-forward half that subclasses add: dense (:class:`Block`) or a mixture
+    of experts (:mod:`learner.moe`)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
@@ -39,25 +46,38 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.fc_out = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(AttentionBlock):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.fc = nn.Linear(cfg.d_model, MLP_RATIO * cfg.d_model)
+        self.fc_out = nn.Linear(MLP_RATIO * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attend(x)
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """``block`` builds each layer: the dense :class:`Block`, or another
+    :class:`AttentionBlock` (the mixture of experts' in :mod:`learner.moe`)."""
+
+    def __init__(
+        self, cfg: ModelConfig, block: Callable[[ModelConfig], AttentionBlock] = Block
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)

@@ -72,8 +72,24 @@ def load_workload(context: WorkloadContext) -> Workload:
 
 def byte_gpt(context: WorkloadContext) -> Workload:
     """The default: a byte-level GPT on the Python standard library (or ``--data``)."""
+    return byte_lm(context, GPT(context.config.model))
+
+
+def _cross_entropy(
+    model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    return model(*batch)
+
+
+def byte_lm(
+    context: WorkloadContext,
+    model: torch.nn.Module,
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor] = _cross_entropy,
+) -> Workload:
+    """A byte-level language model's workload on the Python standard library (or
+    ``--data``): ``model(x, y)`` is its mean cross-entropy, which evaluation
+    reports; ``loss`` is what training minimizes (by default the same)."""
     cfg = context.config
-    model = GPT(cfg.model)
     corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
     sampler = BatchSampler(
         corpus.train,
@@ -94,7 +110,7 @@ def byte_gpt(context: WorkloadContext) -> Workload:
     return Workload(
         model=model,
         batches=batches(),
-        loss=lambda m, batch: m(*batch),
+        loss=loss,
         weight=lambda batch: int(batch[0].numel()),
         evaluate=lambda m: evaluate(m, held_out),
     )
