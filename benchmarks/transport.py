@@ -247,15 +247,24 @@ def measure_raw_redis(url: str, size_bytes: int, count: int) -> dict[str, Any]:
 
 
 def measure_pair(
-    backend: str, url: str, size_bytes: int, count: int, raw_first: bool, keys_dir: str | None
+    backend: str,
+    urls: tuple[str, str],
+    size_bytes: int,
+    count: int,
+    raw_first: bool,
+    keys_dir: str | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Ours and its baseline, one right after the other, in the order given: the
-    raw library's, or (``keys_dir``) ours with keys against ours without."""
+    raw library's, or (``keys_dir``) ours with keys against ours without.
+    ``urls``: ours, and the baseline's (Redis: with keys, a server with the
+    run's users and TLS; without, a plain one)."""
     from compose.processes import free_port_pair
+
+    url, base_url = urls
 
     def raw() -> dict[str, Any]:
         if keys_dir:
-            return measure(backend, url, size_bytes, count)
+            return measure(backend, base_url, size_bytes, count)
         if backend == "zmq":
             endpoint = f"tcp://127.0.0.1:{free_port_pair()}"
             return measure_raw_zmq(endpoint, size_bytes, count)
@@ -334,30 +343,37 @@ def main(argv: list[str] | None = None) -> int:
     sizes_mb, bytes_per_backend, pairs = MODES[mode]
     freeze_startup_heap()
 
-    server = None
+    servers = []
     results: list[dict[str, Any]] = []
     summary: list[dict[str, Any]] = []
     try:
         for backend in args.backends.split(","):
             if backend == "redis" and args.redis_url:
-                url = args.redis_url
+                url = base_url = args.redis_url
             elif backend == "redis":
                 from tests.servers import RedisServer
 
-                server = RedisServer(Path(tempfile.mkdtemp(prefix="ddiloco-bench-")))
-                server.start()
-                url = server.url
+                folder = Path(tempfile.mkdtemp(prefix="ddiloco-bench-"))
+                plain = RedisServer(folder / "plain")
+                servers.append(plain)
+                plain.start()
+                url = base_url = plain.url
+                if keys_dir:  # the run's users, and TLS with the run's CA
+                    keyed = RedisServer(folder / "keyed", keys=Path(keys_dir), tls=True)
+                    servers.append(keyed)
+                    keyed.start()
+                    url = keyed.url
             else:
                 from compose.processes import free_port_pair
 
-                url = f"zmq://127.0.0.1:{free_port_pair()}"
+                url = base_url = f"zmq://127.0.0.1:{free_port_pair()}"
             for mb in sizes_mb:
                 size = int(mb * 1024 * 1024)
                 count = max(8, int(bytes_per_backend[backend] // size))
                 ratios, ours_mb_s, raw_mb_s = [], [], []
                 for pair in range(pairs):
                     mine, base = measure_pair(
-                        backend, url, size, count, raw_first=pair % 2 == 1, keys_dir=keys_dir
+                        backend, (url, base_url), size, count, pair % 2 == 1, keys_dir
                     )
                     mine["ratio_vs_raw"] = round(mine["mb_per_s"] / base["mb_per_s"], 3)
                     for r in (mine, base):
@@ -380,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(json.dumps(summary[-1]), flush=True)
     finally:
-        if server:
+        for server in servers:
             server.stop()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

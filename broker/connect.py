@@ -50,7 +50,7 @@ def _backend_classes(backend: str) -> tuple[type, type]:
 
 
 # Keyword options that are objects, given by the caller, never by a URL.
-_CALLER_OPTIONS = ("keys", "identity", "role")
+_CALLER_OPTIONS = ("keys", "identity", "role", "num_fragments")
 
 
 def _keyword_options(cls: type) -> dict[str, Any]:
@@ -185,10 +185,12 @@ def connect_syncer(
     syncer_id: str,
     fragments: list[int],
     max_message_bytes: int | None = None,
+    num_fragments: int | None = None,
     keys: RunKeys | None = None,
 ) -> SyncerTransport:
-    """``max_message_bytes`` as for :func:`connect_learner`; ``keys`` the run's
-    keys as a syncer holds them."""
+    """``max_message_bytes`` as for :func:`connect_learner`; ``num_fragments``
+    the run's (Redis: the keys a learner's ACL user may write name each);
+    ``keys`` the run's keys as a syncer holds them."""
     parsed = parse_url(url)
     _, cls = _backend_classes(parsed.backend)
     options = _options_for(cls, parsed) | {"keys": keys}
@@ -203,6 +205,8 @@ def connect_syncer(
             url, "syncer", lambda: cls(parsed.endpoints[0], run_id, fragments, **options)
         )
     else:
+        if num_fragments is not None:
+            options["num_fragments"] = num_fragments
         transport = _built(
             url,
             "syncer",

@@ -45,16 +45,17 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to a 0600 file atomically (never readable by others, not
-    even briefly): for keys and secrets."""
+def write_private(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write ``text`` to a file of ``mode`` (0600: never readable by others, not
+    even briefly) atomically: for keys and secrets."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    os.chmod(tmp, mode)  # whatever the umask took away
     os.replace(tmp, path)
 
 

@@ -14,6 +14,9 @@
     tls.ca.crt, tls.ca.key, redis.crt, redis.key
                        the run's CA and the Redis server's certificate, for
                        ``rediss://`` (:mod:`broker.tls`)
+    redis.syncer       the syncers' Redis password, hex            (syncers only)
+    redis.acl          the Redis users a run starts with: the file Redis loads
+                       (``--aclfile``; :mod:`broker.redis_access`)
 
 A learner's identity is its own key pair, made when it starts (kept in its
 ``state_dir`` when it has one, so a restart is the same learner): it enrolls
@@ -61,9 +64,18 @@ CURVE_PUBLIC = "syncer.curve.pub"
 SIGNING_KEY = "signing.key"
 SIGNING_PUBLIC = "signing.pub"
 REVOKED = "revoked"
+REDIS_SYNCER = "redis.syncer"
+REDIS_ACL = "redis.acl"
 # What each role needs to start; a missing file is named in the error.
 NEEDED = {
-    "syncer": (JOIN_SECRET, CURVE_SECRET, CURVE_PUBLIC, SIGNING_KEY, SIGNING_PUBLIC),
+    "syncer": (
+        JOIN_SECRET,
+        CURVE_SECRET,
+        CURVE_PUBLIC,
+        SIGNING_KEY,
+        SIGNING_PUBLIC,
+        REDIS_SYNCER,
+    ),
     "learner": (JOIN_SECRET, CURVE_PUBLIC, SIGNING_PUBLIC),
     "reader": (JOIN_SECRET, CURVE_PUBLIC, SIGNING_PUBLIC),
 }
@@ -147,9 +159,16 @@ def make_keys(folder: str | Path, *, overwrite: bool = False) -> Path:
         raise ConfigError(f"{out} holds a run's keys already; rotate them (`ddiloco keys rotate`)")
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)
+    from broker.redis_access import acl_file  # it names keys of broker.redis_common
+
     curve_public, curve_secret = zmq.curve_keypair()
     signing = Ed25519PrivateKey.generate()
-    write_private(out / JOIN_SECRET, secrets.token_hex(32) + "\n")
+    join_secret, redis_password = secrets.token_bytes(32), secrets.token_hex(32)
+    write_private(out / JOIN_SECRET, join_secret.hex() + "\n")
+    write_private(out / REDIS_SYNCER, redis_password + "\n")
+    # Digests only, and read by the Redis server's own user: not 0600.
+    acl = "".join(f"{line}\n" for line in acl_file(redis_password, join_secret))
+    write_private(out / REDIS_ACL, acl, mode=0o644)
     write_private(out / CURVE_SECRET, curve_secret.decode() + "\n")
     write_private(out / CURVE_PUBLIC, curve_public.decode() + "\n")
     write_private(out / SIGNING_KEY, _raw_private(signing).hex() + "\n")
@@ -201,6 +220,7 @@ class RunKeys:
     verify_keys: tuple[Ed25519PublicKey, ...]
     curve_secret: bytes | None = None
     signing_key: Ed25519PrivateKey | None = None
+    redis_password: str | None = None  # the syncers' Redis user's
 
     @classmethod
     def load(cls, folder: str | Path, role: str) -> RunKeys:
@@ -228,6 +248,7 @@ class RunKeys:
                 if syncer
                 else None
             ),
+            redis_password=_hex_bytes(where, REDIS_SYNCER, 32).hex() if syncer else None,
         )
 
     def reloaded(self) -> RunKeys:

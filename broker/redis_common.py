@@ -6,17 +6,28 @@ delta streams (:mod:`broker.redis_deltas`) and the globals
 (:mod:`broker.redis_globals`). This module holds the keys, the frame checks, the
 connection handling (:class:`RedisLink`) and the one retry loop both sides wait in.
 
-Keys of one run (``{run}`` is the run id)::
+Keys of one run (``{run}`` is the run id, ``{l}`` a learner id, ``{p}`` a fragment)::
 
-    ddiloco:{run}:deltas:{p}   stream   learners XADD deltas of fragment p; the syncer
-                                        consumer group ``syncers`` reads them
-    ddiloco:{run}:globals      stream   syncers XADD every new global (exact MAXLEN)
-    ddiloco:{run}:model:{p}    string   the latest global of fragment p, for joiners
-    ddiloco:{run}:learners     hash     learner id -> its latest heartbeat frame
-    ddiloco:{run}:leases       hash     learner slot -> "holder expiry_ms" (LEASE_SLOT)
-    ddiloco:{run}:trimmed:{p}  integer  delta entries of fragment p trimmed unread
-    ddiloco:{run}:notices:{l}  stream   refusals of learner l's deltas (short MAXLEN,
-                                        expires when unused)
+    ddiloco:{run}:deltas:{p}:{l}  stream   learner l XADDs its deltas of fragment p;
+                                           the syncer consumer group ``syncers``
+                                           reads them
+    ddiloco:{run}:trimmed:{p}:{l} integer  entries of that stream trimmed unread
+    ddiloco:{run}:heartbeat:{l}   string   learner l's latest heartbeat frame
+    ddiloco:{run}:notices:{l}     stream   refusals of learner l's deltas (short
+                                           MAXLEN, expires when unused)
+    ddiloco:{run}:requests        stream   enrollments and lease requests, read
+                                           (and deleted) by the admitting syncer
+    ddiloco:{run}:grant:{k}       string   the admitting syncer's answer to key k's
+                                           last lease request
+    ddiloco:{run}:roster          hash     admitted learner id -> its key: the
+                                           learners whose streams syncers read
+    ddiloco:{run}:globals         stream   syncers XADD every new global (exact MAXLEN)
+    ddiloco:{run}:model:{p}       string   the latest global of fragment p, for joiners
+    ddiloco:{run}:weightless:{p}  hash     its weights checksum and weightless frame
+
+A learner writes only keys named after itself; with the run's keys each
+enrolled key is a Redis ACL user that may write only those
+(:mod:`broker.redis_access`).
 
 Every stream entry holds one :mod:`broker.wire` frame: deltas in the three
 fields ``h``, ``p``, ``c`` (the parts of :func:`broker.wire.encode_parts`, so a
@@ -60,20 +71,23 @@ few exceptions are documented with each side. Invalid messages of our own
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.retry import Retry
 
-from broker.keys import RunKeys
 from broker.transport import TransportError, TransportStats
 from broker.wire import Message, WireError, decode, decode_parts, encode, encode_parts
+
+if TYPE_CHECKING:
+    from broker.keys import RunKeys
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +108,12 @@ _TAIL_POLL_S = 0.02
 
 # Errors after which the same request may succeed later: the server is down,
 # restarting, loading its AOF, out of memory, or failing to write its AOF.
+# With the run's keys also a refused user or command (AUTH, NOPERM): a learner
+# whose ACL user the syncer has not made, or widened to its learner id, yet; it
+# enrolls again and waits (broker.redis_learner).
 _TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     redis.ConnectionError,
+    redis.exceptions.NoPermissionError,
     redis.TimeoutError,
     redis.exceptions.ReadOnlyError,
     redis.exceptions.OutOfMemoryError,
@@ -104,68 +122,57 @@ _TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     redis.exceptions.MasterDownError,
 )
 
-# The id of the first (or, with ARGV[1] == "last", the last) entry of a stream,
-# or false when it is empty, without sending the entry's payload to the client.
-STREAM_END_ID = """
-local entries
-if ARGV[1] == 'last' then
-    entries = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-else
-    entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
-end
+# Redis refused our user or a command: not admitted (yet), not network weather.
+_REFUSED = (redis.AuthenticationError, redis.exceptions.NoPermissionError)
+
+# The id of the first entry of stream KEYS[1], or false when it is empty,
+# without sending the entry's payload to the client.
+STREAM_FIRST_ID = """#!lua flags=no-writes
+local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #entries == 0 then return false end
 return entries[1][1]
 """
 
-# The latest global of each fragment, or, for a fragment whose current weights
-# the reader holds, that global without them (SnapshotRequest.held_crcs).
-# KEYS: n model keys, then the n weightless keys; ARGV: per fragment, the
-# checksum the reader holds in decimal, or '' for none.
-SNAPSHOTS_UNLESS_HELD = """
-local n = #KEYS / 2
-local out = {}
+# The id of the last entry of the globals stream KEYS[1] (false: empty), and
+# the latest global of each fragment, or, for a fragment whose current weights
+# the reader holds, that global without them (SnapshotRequest.held_crcs), read
+# at once. KEYS[2..]: n model keys, then the n weightless keys; ARGV: per
+# fragment, the checksum the reader holds in decimal, or '' for none.
+SNAPSHOTS_UNLESS_HELD = """#!lua flags=no-writes
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local out = {false}
+if #last > 0 then out[1] = last[1][1] end
+local n = (#KEYS - 1) / 2
 for i = 1, n do
     local answer = false
     if ARGV[i] ~= '' then
-        local held = redis.call('HMGET', KEYS[n + i], 'crc', 'frame')
+        local held = redis.call('HMGET', KEYS[1 + n + i], 'crc', 'frame')
         if held[1] == ARGV[i] then answer = held[2] end
     end
-    if not answer then answer = redis.call('GET', KEYS[i]) end
-    out[i] = answer
+    if not answer then answer = redis.call('GET', KEYS[1 + i]) end
+    out[1 + i] = answer
 end
 return out
 """
 
-# Take or renew a learner slot, by the server's clock (see LearnerTransport.lease).
-# KEYS[1]: the leases hash; ARGV: holder, ttl in ms, the slot the holder
-# believes it holds (-1: none), the number of slots. Returns the slot, or -1
-# when all are held.
-LEASE_SLOT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local holder, ttl_ms, held = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local entries = redis.call('HGETALL', KEYS[1])
-local taken, mine = {}, nil
-for i = 1, #entries, 2 do
-    local slot = tonumber(entries[i])
-    local who, expiry = string.match(entries[i + 1], '^(%S+) (%d+)$')
-    if who == holder then
-        if mine == nil or slot < mine then mine = slot end
-    elseif expiry and tonumber(expiry) > now then
-        taken[slot] = true
-    end
-end
-if mine == nil then
-    if held >= 0 and not taken[held] then
-        mine = held
+# Take up to ARGV[1] entries of stream KEYS[1] and delete them: each whose one
+# field ``m`` is at most ARGV[2] bytes is returned, the others only counted, so
+# no entry larger than the bound ever leaves the server. Returns
+# {dropped, {id1, m1, id2, m2, ...}}.
+TAKE_BOUNDED = """
+local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', tonumber(ARGV[1]))
+local limit, taken, dropped = tonumber(ARGV[2]), {}, 0
+for _, entry in ipairs(entries) do
+    redis.call('XDEL', KEYS[1], entry[1])
+    local f = entry[2]
+    if #f == 2 and f[1] == 'm' and #f[2] <= limit then
+        taken[#taken + 1] = entry[1]
+        taken[#taken + 1] = f[2]
     else
-        mine = 0
-        while taken[mine] do mine = mine + 1 end
-        if mine >= tonumber(ARGV[4]) then return -1 end
+        dropped = dropped + 1
     end
 end
-redis.call('HSET', KEYS[1], tostring(mine), holder .. ' ' .. string.format('%d', now + ttl_ms))
-return mine
+return {dropped, taken}
 """
 
 # XADD the field-value pairs ARGV[3..] to delta stream KEYS[1], keeping it at
@@ -207,8 +214,32 @@ NOTICES_TTL_S = 3600  # a notices stream nobody writes to for an hour goes away
 T = TypeVar("T")
 
 
-def delta_stream_key(run_id: str, fragment: int) -> str:
-    return f"ddiloco:{run_id}:deltas:{fragment}"
+def delta_stream_key(run_id: str, fragment: int, learner_id: str) -> str:
+    return f"ddiloco:{run_id}:deltas:{fragment}:{learner_id}"
+
+
+def trimmed_key(run_id: str, fragment: int, learner_id: str) -> str:
+    return f"ddiloco:{run_id}:trimmed:{fragment}:{learner_id}"
+
+
+def heartbeat_key(run_id: str, learner_id: str) -> str:
+    return f"ddiloco:{run_id}:heartbeat:{learner_id}"
+
+
+def notices_key(run_id: str, learner_id: str) -> str:
+    return f"ddiloco:{run_id}:notices:{learner_id}"
+
+
+def requests_key(run_id: str) -> str:
+    return f"ddiloco:{run_id}:requests"
+
+
+def grant_key(run_id: str, key: str) -> str:
+    return f"ddiloco:{run_id}:grant:{key[:32]}"
+
+
+def roster_key(run_id: str) -> str:
+    return f"ddiloco:{run_id}:roster"
 
 
 def globals_stream_key(run_id: str) -> str:
@@ -223,22 +254,6 @@ def weightless_key(run_id: str, fragment: int) -> str:
     """Hash: ``crc``, the latest version's weights checksum, and ``frame``, its
     global without the weights, for joiners that hold them."""
     return f"ddiloco:{run_id}:weightless:{fragment}"
-
-
-def learners_key(run_id: str) -> str:
-    return f"ddiloco:{run_id}:learners"
-
-
-def leases_key(run_id: str) -> str:
-    return f"ddiloco:{run_id}:leases"
-
-
-def trimmed_key(run_id: str, fragment: int) -> str:
-    return f"ddiloco:{run_id}:trimmed:{fragment}"
-
-
-def notices_key(run_id: str, learner_id: str) -> str:
-    return f"ddiloco:{run_id}:notices:{learner_id}"
 
 
 def to_str(value: bytes | str) -> str:
@@ -268,14 +283,22 @@ def is_transient(error: Exception) -> bool:
     )
 
 
-def connect(url: str, socket_timeout_s: float, keys: RunKeys | None = None) -> redis.Redis:
-    """A client for ``url``. With the run's keys, a ``rediss://`` server must hold
-    a certificate of the run's CA for the host dialled; a plain ``redis://``
-    URL to another host is said to be in the clear."""
+def connect(
+    url: str,
+    socket_timeout_s: float,
+    keys: RunKeys | None = None,
+    user: tuple[str, str] | None = None,
+) -> redis.Redis:
+    """A client for ``url``, as ``user`` (name, password) when given. With the
+    run's keys, a ``rediss://`` server must hold a certificate of the run's CA
+    for the host dialled; a plain ``redis://`` URL to another host is said to
+    be in the clear."""
     parts = urlsplit(url)
-    tls: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    if user is not None:
+        options["username"], options["password"] = user
     if keys is not None and parts.scheme == "rediss":
-        tls = {"ssl_ca_certs": str(keys.tls_ca()), "ssl_cert_reqs": "required",
+        options |= {"ssl_ca_certs": str(keys.tls_ca()), "ssl_cert_reqs": "required",
                "ssl_check_hostname": True}  # fmt: skip
     elif keys is not None and parts.scheme == "redis" and not _loopback(parts.hostname):
         log.warning(
@@ -290,7 +313,7 @@ def connect(url: str, socket_timeout_s: float, keys: RunKeys | None = None) -> r
         socket_connect_timeout=socket_timeout_s,
         retry=Retry(NoBackoff(), 1),
         decode_responses=False,
-        **tls,
+        **options,
     )
 
 
@@ -320,7 +343,9 @@ class Reconnect:
         self.failures += 1
         delay_s = self._backoff.compute(self.failures)
         self._retry_at = time.monotonic() + delay_s
-        if self.failures == 1:
+        if self.failures == 1 and isinstance(error, _REFUSED):
+            log.info("%s: not admitted by redis yet (%s); retrying", self._what, error)
+        elif self.failures == 1:
             log.warning("%s: redis unavailable (%s); retrying with backoff", self._what, error)
         else:
             log.debug(
@@ -342,11 +367,14 @@ class Reconnect:
 
 class RedisLink:
     """One redis client, the backoff after its transient errors, and their count
-    (``errors``). ``on_failure`` runs after each transient error, for state that a
-    reply lost on the way may have made stale."""
+    (``errors``). ``on_failure`` runs after each transient error, with it: for
+    state that a reply lost on the way may have made stale, or to enroll again."""
 
     def __init__(
-        self, client: redis.Redis, what: str, on_failure: Callable[[], None] | None = None
+        self,
+        client: redis.Redis,
+        what: str,
+        on_failure: Callable[[Exception], None] | None = None,
     ) -> None:
         self.client = client
         self.reconnect = Reconnect(what)
@@ -360,7 +388,7 @@ class RedisLink:
     def failed(self, error: Exception) -> None:
         self.errors += 1
         if self._on_failure is not None:
-            self._on_failure()
+            self._on_failure(error)
         self.reconnect.failed(error)
 
     def succeeded(self) -> None:
@@ -459,6 +487,24 @@ def retry_until(
         if remaining_s <= 0:
             return []
         time.sleep(min(remaining_s, reconnect.wait_s()))
+
+
+class ReadScript:
+    """A Lua script that only reads, run with EVALSHA_RO: a member may run it on
+    keys it may read but not write. Loaded on first use (or again after a Redis
+    restart) where the client may load scripts; a member's syncer loads them."""
+
+    def __init__(self, client: redis.Redis, text: str) -> None:
+        self._client = client
+        self._text = text
+        self._sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def __call__(self, keys: list[str], args: list[str]) -> Any:
+        try:
+            return self._client.evalsha_ro(self._sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            self._client.script_load(self._text)  # NOPERM for a member: retried later
+            return self._client.evalsha_ro(self._sha, len(keys), *keys, *args)
 
 
 def check_frame(frame: Any, max_message_bytes: int, stats: TransportStats) -> Message | None:

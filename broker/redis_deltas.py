@@ -1,10 +1,11 @@
 """The delta streams of the Redis Streams transport (docs/transports.md): written
 by learners, read and trimmed by syncers.
 
-A learner's :class:`DeltaQueue` XADDs its deltas in order, bounding the stream
-(``BOUNDED_XADD``), and keeps each until redis replied. A syncer's
-:class:`DeltaReader` is one consumer of the group on the delta streams of the
-fragments a syncer owns: it re-reads its own pending entries, takes over those
+A learner's :class:`DeltaQueue` XADDs its deltas in order to its own stream of
+each fragment, bounding the stream (``BOUNDED_XADD``), and keeps each until
+redis replied. A syncer's :class:`DeltaReader` is one consumer of the group on
+the delta streams of the fragments a syncer owns, one per learner it follows
+(the roster's): it re-reads its own pending entries, takes over those
 a dead consumer left (XAUTOCLAIM after ``claim_idle_s``), reads new ones with
 XREADGROUP and XACKs what the caller acks. :class:`DeltaTrimmer` trims the
 streams below what any group still needs and reports the entries the learners'
@@ -99,10 +100,12 @@ class DeltaQueue:
             self.send_queued()
             if len(self._queue) >= self._max_unacked:
                 raise Backpressure(f"{len(self._queue)} deltas wait for redis")
+        if delta.learner_id != self._learner_id:
+            raise ValueError(f"delta of {delta.learner_id!r} sent by {self._learner_id!r}")
         self._queue.append(
             _QueuedDelta(
-                delta_stream_key(self._run_id, delta.fragment),
-                trimmed_key(self._run_id, delta.fragment),
+                delta_stream_key(self._run_id, delta.fragment, self._learner_id),
+                trimmed_key(self._run_id, delta.fragment, self._learner_id),
                 encode_parts_bounded(delta, self._max_message_bytes),
             )
         )
@@ -149,8 +152,8 @@ class DeltaQueue:
 
 
 class DeltaReader:
-    """Consumer ``consumer`` of ``group`` on the delta streams in ``fragment_of``
-    (stream key -> fragment); hands each entry out once until it is acked."""
+    """Consumer ``consumer`` of ``group`` on the delta streams of ``fragments``
+    of each learner it follows; hands each entry out once until it is acked."""
 
     def __init__(
         self,
@@ -158,7 +161,7 @@ class DeltaReader:
         run_id: str,
         consumer: str,
         group: str,
-        fragment_of: dict[str, int],
+        fragments: list[int],
         claim_idle_s: float,
         max_message_bytes: int,
         stats: TransportStats,
@@ -167,11 +170,14 @@ class DeltaReader:
         self._run_id = run_id
         self._consumer = consumer
         self._group = group
-        self._fragment_of = fragment_of
+        self._fragments = fragments
+        # Stream key -> (fragment, learner id), for every learner followed.
+        self.streams: dict[str, tuple[int, str]] = {}
+        self._followed: set[str] = set()
+        self._grouped: set[str] = set()  # streams whose group was made
         self._claim_idle_s = claim_idle_s
         self._max_message_bytes = max_message_bytes
         self._stats = stats
-        self._groups_ready = False
         # Own pending entries still to re-read, per stream: the id to read after,
         # None once done. Reset after every transient error: a reply lost on the
         # way may have left entries delivered to us that we never saw.
@@ -188,21 +194,30 @@ class DeltaReader:
         self._claim_cursor: dict[str, str] = {}
         self._next_claim_at = 0.0
 
+    def follow(self, learner_ids: list[str]) -> None:
+        """Read the streams of ``learner_ids`` too (their pending entries first)."""
+        for learner in learner_ids:
+            if learner in self._followed:
+                continue
+            self._followed.add(learner)
+            for p in self._fragments:
+                stream = delta_stream_key(self._run_id, p, learner)
+                self.streams[stream] = (p, learner)
+                self._pending_after[stream] = "0-0"
+
     def ensure_groups(self) -> None:
-        """Create the group on every stream (and the streams) unless done."""
-        if self._groups_ready:
-            return
-        for stream in self._fragment_of:
+        """Create the group on every stream (and the streams) not done yet."""
+        for stream in self.streams.keys() - self._grouped:
             try:
                 self._client.xgroup_create(stream, self._group, id="0", mkstream=True)
             except redis.ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
-        self._groups_ready = True
+            self._grouped.add(stream)
 
     def reset_pending(self) -> None:
         """Re-read our own pending entries from the start with the next read."""
-        self._pending_after = dict.fromkeys(self._fragment_of, "0-0")
+        self._pending_after = dict.fromkeys(self.streams, "0-0")
 
     def lost_group(self, error: Exception) -> bool:
         """True for NOGROUP: the streams or the group vanished (e.g. redis lost its
@@ -210,7 +225,7 @@ class DeltaReader:
         if not (isinstance(error, redis.ResponseError) and str(error).startswith("NOGROUP")):
             return False
         log.warning("syncer %s: %s; recreating the consumer group", self._consumer, error)
-        self._groups_ready = False
+        self._grouped.clear()
         self.reset_pending()
         return True
 
@@ -225,7 +240,10 @@ class DeltaReader:
     def read_new(self, deadline: float, max_block_s: float) -> list[Inbound]:
         """Entries never delivered to the group, waiting up to ``deadline``."""
         block_ms = read_block_ms(deadline, max_block_s)
-        streams: dict[KeyT, StreamIdT] = dict.fromkeys(self._fragment_of, ">")
+        if not self.streams:  # nobody to read yet: wait as a read would
+            time.sleep(min(max(0.0, deadline - time.monotonic()), max_block_s))
+            return []
+        streams: dict[KeyT, StreamIdT] = dict.fromkeys(self.streams, ">")
         reply = cast(
             list[tuple[bytes, Entries]],
             self._client.xreadgroup(
@@ -276,7 +294,7 @@ class DeltaReader:
         if time.monotonic() < self._next_claim_at:
             return []
         items: list[Inbound] = []
-        for stream in self._fragment_of:
+        for stream in self.streams:
             cursor = self._claim_cursor.get(stream, "0-0")
             if cursor == "done":
                 continue
@@ -312,7 +330,7 @@ class DeltaReader:
                 )
             items += self._accept(stream, claimed)
             self._claim_cursor[stream] = "done" if next_cursor == "0-0" else next_cursor
-        if all(self._claim_cursor.get(s) == "done" for s in self._fragment_of):
+        if all(self._claim_cursor.get(s) == "done" for s in self.streams):
             self._claim_cursor.clear()
             self._next_claim_at = time.monotonic() + self._claim_interval_s
         return items
@@ -331,10 +349,12 @@ class DeltaReader:
                 self._rejected_unacked.add(token)
                 continue
             msg = check_entry(fields, self._max_message_bytes, self._stats)
+            fragment, learner = self.streams[stream]
             if (
                 isinstance(msg, Delta)
                 and msg.run_id == self._run_id
-                and msg.fragment == self._fragment_of[stream]
+                and msg.fragment == fragment
+                and msg.learner_id == learner
             ):
                 self._stats.messages_received += 1
                 self._handing_out.add(token)
@@ -347,6 +367,8 @@ class DeltaReader:
                     else "wrong_run"
                     if msg.run_id != self._run_id
                     else "wrong_fragment"
+                    if msg.fragment != fragment
+                    else "wrong_learner"
                 )
                 self._stats.rejected[reason] += 1
             self._rejected_unacked.add(token)  # it can never become valid: ack it
@@ -382,14 +404,14 @@ class DeltaTrimmer:
         run_id: str,
         consumer: str,
         group: str,
-        fragments: list[int],
+        streams: dict[str, tuple[int, str]],
         stats: TransportStats,
     ) -> None:
         self._client = client
         self._run_id = run_id
         self._consumer = consumer
         self._group = group
-        self._fragments = fragments
+        self._streams = streams  # the reader's: stream -> (fragment, learner id)
         self._stats = stats
         self._waiting: set[str] = set()
         self._next_trim_at: dict[str, float] = {}
@@ -452,17 +474,24 @@ class DeltaTrimmer:
         if now < self._next_trimmed_check_at:
             return
         self._next_trimmed_check_at = now + _TRIM_INTERVAL_S
+        owners = list(self._streams.values())
+        if not owners:
+            return
         pipe = self._client.pipeline(transaction=False)
-        for p in self._fragments:
-            pipe.getdel(trimmed_key(self._run_id, p))
-        for p, raw in zip(self._fragments, pipe.execute(), strict=True):
-            lost = int(raw or 0)
+        for p, learner in owners:
+            pipe.getdel(trimmed_key(self._run_id, p, learner))
+        for (p, learner), raw in zip(owners, pipe.execute(), strict=True):
+            try:
+                lost = int(raw or 0)
+            except ValueError:  # not a count: a learner wrote it (its own key)
+                lost = 0
             if lost > 0:
                 self._stats.rejected["trimmed_unread"] += lost
                 log.error(
-                    "syncer %s: %d deltas of fragment %d were dropped unread at the delta "
-                    "stream's bound (no syncer kept up); raise delta_stream_maxlen",
+                    "syncer %s: %d deltas of learner %s, fragment %d were dropped unread at "
+                    "the delta stream's bound (no syncer kept up); raise delta_stream_maxlen",
                     self._consumer,
                     lost,
+                    learner,
                     p,
                 )

@@ -25,8 +25,9 @@ from broker.keys import GlobalSigner, GlobalVerifier
 from broker.redis_common import (
     FIELD,
     SNAPSHOTS_UNLESS_HELD,
-    STREAM_END_ID,
+    STREAM_FIRST_ID,
     Entries,
+    ReadScript,
     RedisLink,
     check_frame,
     encode_bounded,
@@ -198,8 +199,7 @@ class SnapshotKeys:
         self._client = client
         self._run_id = run_id
         self._check = check
-        self._stream_end_id = client.register_script(STREAM_END_ID)
-        self._snapshots_unless_held = client.register_script(SNAPSHOTS_UNLESS_HELD)
+        self._snapshots_unless_held = ReadScript(client, SNAPSHOTS_UNLESS_HELD)
 
     def latest(self, fragments: list[int]) -> dict[int, GlobalFragment]:
         """The latest global of each of ``fragments`` that has one (with weights)."""
@@ -214,18 +214,13 @@ class SnapshotKeys:
         """The latest global of each of ``fragments`` that has one, and the globals
         stream's last id (None: empty), read atomically. A fragment whose current
         weights are ``held`` is read without them and completed from ``held``."""
-        pipe = self._client.pipeline(transaction=True)
-        self._stream_end_id(keys=[globals_stream_key(self._run_id)], args=["last"], client=pipe)
-        if held:
-            self._snapshots_unless_held(
-                keys=[model_key(self._run_id, p) for p in fragments]
-                + [weightless_key(self._run_id, p) for p in fragments],
-                args=[str(weights_checksum(held[p])) if p in held else "" for p in fragments],
-                client=pipe,
-            )
-        else:
-            pipe.mget([model_key(self._run_id, p) for p in fragments])
-        last_id, frames = pipe.execute()
+        reply = self._snapshots_unless_held(
+            keys=[globals_stream_key(self._run_id)]
+            + [model_key(self._run_id, p) for p in fragments]
+            + [weightless_key(self._run_id, p) for p in fragments],
+            args=[str(weights_checksum(held[p])) if p in held else "" for p in fragments],
+        )
+        last_id, frames = reply[0] or None, reply[1:]
         found = self._models(fragments, frames)
         for p, g in list(found.items()):
             if g.is_weightless:
@@ -322,7 +317,7 @@ class GlobalsReader:
         stats: TransportStats,
         check: GlobalCheck,
         snapshots: SnapshotKeys,
-        notices: NoticeReader,
+        notices: NoticeReader | None,
         versions: Versions,
         is_new: Callable[[GlobalFragment], bool],
     ) -> None:
@@ -337,7 +332,7 @@ class GlobalsReader:
         self._versions = versions
         self._is_new = is_new
         self._globals = globals_stream_key(run_id)
-        self._stream_end_id = client.register_script(STREAM_END_ID)
+        self._stream_first_id = ReadScript(client, STREAM_FIRST_ID)
         self._wanted: set[int] = set()  # fragments to fetch the snapshot of (resync)
         # Read position in the globals stream; None until the first snapshot or poll.
         self._position: str | None = None
@@ -357,10 +352,9 @@ class GlobalsReader:
             if found:
                 return found
         block_ms = read_block_ms(deadline, self._max_block_s)
-        streams: dict[KeyT, StreamIdT] = {
-            self._globals: self._position,
-            self._notices.key: self._notices.position,
-        }
+        streams: dict[KeyT, StreamIdT] = {self._globals: self._position}
+        if self._notices is not None:  # a learner's: a reader sends nothing to refuse
+            streams[self._notices.key] = self._notices.position
         reply = cast(
             list[tuple[bytes, Entries]],
             self._client.xread(
@@ -374,14 +368,18 @@ class GlobalsReader:
                 sleep_tail(deadline)
             return []
         replied = {to_str(stream): entries for stream, entries in reply}
-        resync = self._notices.read(replied.get(self._notices.key, []))
+        resync = (
+            self._notices.read(replied.get(self._notices.key, []))
+            if self._notices is not None
+            else []
+        )
         entries = replied.get(self._globals, [])
         if not entries:
             return self._fetch_snapshots(resync)
         # New entries arrived. Trimming drops the oldest entries first, so if the
         # stream's first entry is now newer than our position, entries we never
         # read may have been trimmed: fall back to the snapshot keys.
-        first_id = self._stream_end_id(keys=[self._globals], args=["first"])
+        first_id = self._stream_first_id(keys=[self._globals], args=[])
         if first_id is not None and parse_id(first_id) > parse_id(self._position):
             log.info(
                 "learner %s: globals stream trimmed past %s; resyncing from snapshots",

@@ -1,11 +1,19 @@
 """Learner side of the Redis Streams transport (docs/transports.md).
 
 Keys, the delivery contract and the connection handling both sides share are in
-:mod:`broker.redis_common`. A learner XADDs its deltas to the delta stream of
-their fragment (:class:`~broker.redis_deltas.DeltaQueue`), HSETs its heartbeat
-into the learners hash, XREADs the globals stream and GETs the snapshot keys
-when it has no base or sees a gap (:class:`~broker.redis_globals.GlobalsReader`).
-Learner slots are leased in the leases hash by one script, on the server's clock.
+:mod:`broker.redis_common`. A learner XADDs its deltas to its own delta stream
+of their fragment (:class:`~broker.redis_deltas.DeltaQueue`), SETs its
+heartbeat key, XREADs the globals stream and GETs the snapshot keys when it
+has no base or sees a gap (:class:`~broker.redis_globals.GlobalsReader`).
+
+It enrolls on the run's requests stream (:mod:`broker.redis_admission`): at
+start, naming its key and role, and again, naming its learner id, once it
+first acts as that learner (a delta, a heartbeat or a poll). With the run's
+keys it is then its own ACL user (:mod:`broker.redis_access`): until the
+syncer made that user, or whenever Redis refuses it (a restarted Redis knows
+no members), it enrolls again, at most every second, and retries as after a
+connection error. A learner slot is asked for on the requests stream too,
+and the syncer's answer read from the key's grant.
 
 Connection errors never escape, with two exceptions: ``snapshot`` and ``lease``
 raise :class:`TransportError` when they get no answer within their timeout, and
@@ -19,28 +27,50 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import redis
+
 from broker.errors import ConfigError
-from broker.keys import GlobalVerifier, Identity, RunKeys
+from broker.keys import GlobalVerifier, Identity, RunKeys, enroll_proof
+from broker.redis_access import (
+    JOIN_USER,
+    join_password,
+    member_password,
+    member_user,
+    password_digest,
+)
+from broker.redis_admission import MAX_REQUEST_BYTES, REQUESTS_MAXLEN
 from broker.redis_common import (
-    LEASE_SLOT,
+    FIELD,
     RedisLink,
     connect,
     encode_bounded,
+    grant_key,
+    heartbeat_key,
     is_transient,
-    learners_key,
-    leases_key,
+    requests_key,
 )
 from broker.redis_deltas import DeltaQueue
 from broker.redis_globals import GlobalCheck, GlobalsReader, NoticeReader, SnapshotKeys
-from broker.transport import (
-    MAX_LEARNER_SLOTS,
-    LearnerTransport,
-    TransportError,
-    lease_request_ok,
-)
-from broker.wire import Delta, GlobalFragment, Heartbeat
+from broker.transport import LearnerTransport, TransportError, lease_request_ok
+from broker.wire import Delta, Enroll, GlobalFragment, Heartbeat, LeaseRequest
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_TTL_S = 3600  # a heartbeat key nobody writes to for an hour goes away
+_ENROLL_EVERY_S = 1.0  # at most, while Redis refuses us or is away
+_REENROLL_S = 10.0
+_GRANT_POLL_S = 0.02
+_NO_SLOT_RETRY_S = 0.25
+# The syncer's answers to an enrollment that keep us from acting as our learner.
+_ENROLL_REFUSALS = {
+    "identity_taken": "another key holds our learner id (a second process with this id?)",
+    "revoked": "this learner was revoked (ddiloco keys revoke)",
+    "read_only": "we enrolled as a reader",
+}
+
+
+def _text(raw: object) -> str:
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw or "")
 
 
 class RedisLearnerTransport(LearnerTransport):
@@ -62,7 +92,6 @@ class RedisLearnerTransport(LearnerTransport):
         identity: Identity | None = None,
         role: str = "learner",
     ) -> None:
-        del identity, role  # Redis knows learners by their ACL user (docs/security.md)
         if num_fragments < 1:
             raise ConfigError(f"num_fragments must be >= 1, got {num_fragments}")
         if max_unacked < 1:
@@ -82,9 +111,23 @@ class RedisLearnerTransport(LearnerTransport):
         self.delta_stream_maxlen = delta_stream_maxlen
         super().__init__()
         self.heartbeats_dropped = 0
-        client = connect(url, socket_timeout_s, keys)
-        self._link = RedisLink(client, f"learner {learner_id}")
-        self._lease_slot = client.register_script(LEASE_SLOT)
+        # Our key is our Redis password's digest (docs/security.md), with keys or not.
+        password = member_password((identity or Identity.new()).secret)
+        self.key = password_digest(password)
+        self.role = role
+        self._proof = enroll_proof(keys.join_secret, run_id, self.key, role) if keys else ""
+        if keys is not None:
+            user = (member_user(run_id, self.key), password)
+            client = connect(url, socket_timeout_s, keys, user)
+            join = (JOIN_USER, join_password(keys.join_secret))
+            self._requests = connect(url, socket_timeout_s, keys, join)
+        else:
+            client = self._requests = connect(url, socket_timeout_s)
+        self._claims = ""  # the learner id enrolled as, once we act as it
+        self._enrolled_at = -float("inf")  # the last try
+        self._enroll_due = 0.0
+        self._told = ""  # the last refusal logged
+        self._link = RedisLink(client, f"learner {learner_id}", self._refused_by_redis)
         self._deltas = DeltaQueue(
             self._link,
             run_id,
@@ -97,10 +140,19 @@ class RedisLearnerTransport(LearnerTransport):
         )
         verifier = GlobalVerifier(keys) if keys is not None else None
         check = GlobalCheck(run_id, num_fragments, max_message_bytes, self.stats, verifier)
-        notices = NoticeReader(
-            run_id, learner_id, incarnation, num_fragments, max_message_bytes, self.stats,
-            self._refused,
-        )  # fmt: skip
+        notices = (
+            NoticeReader(
+                run_id,
+                learner_id,
+                incarnation,
+                num_fragments,
+                max_message_bytes,
+                self.stats,
+                self._refused,
+            )  # fmt: skip
+            if role == "learner"
+            else None
+        )
         self._globals = GlobalsReader(
             client,
             run_id,
@@ -114,6 +166,64 @@ class RedisLearnerTransport(LearnerTransport):
             self._versions,
             self._is_new,
         )
+        self._enroll()
+
+    # -- enrollment ---------------------------------------------------------------
+    def _enroll(self) -> None:
+        """Write our enrollment to the requests stream when due: every
+        ``_REENROLL_S`` (a syncer or Redis that lost its state learns of us
+        again), a second after a try that failed or that Redis refused us."""
+        now = time.monotonic()
+        if now < self._enroll_due:
+            return
+        self._enrolled_at = now
+        msg = Enroll(
+            run_id=self.run_id, key=self.key, role=self.role, proof=self._proof,
+            claims=self._claims,
+        )  # fmt: skip
+        written = self._request(encode_bounded(msg, MAX_REQUEST_BYTES)) is not None
+        self._enroll_due = now + (_REENROLL_S if written else _ENROLL_EVERY_S)
+
+    def _request(self, frame: bytes) -> str | None:
+        """XADD ``frame`` to the requests stream; its entry id, or None when Redis
+        is away (the caller asks again)."""
+        try:
+            entry = self._requests.xadd(
+                requests_key(self.run_id), {FIELD: frame}, maxlen=REQUESTS_MAXLEN, approximate=True
+            )
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            log.debug("learner %s: request not written: %s", self.learner_id, e)
+            return None
+        return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+    def _act_as_learner(self) -> None:
+        """Enroll under our learner id the first time we act as that learner."""
+        if self.role == "learner" and not self._claims:
+            self._claims = self.learner_id
+            self._enroll_due = 0.0
+            self._enroll()
+
+    def _refused_by_redis(self, error: Exception) -> None:
+        """Redis refused our user or a command (our user is not made, or not
+        widened to our learner id, yet): enroll again."""
+        if isinstance(error, (redis.AuthenticationError, redis.exceptions.NoPermissionError)):
+            self._enroll_due = min(self._enroll_due, self._enrolled_at + _ENROLL_EVERY_S)
+            self._enroll()
+        if isinstance(error, redis.exceptions.NoPermissionError):
+            # Our user exists, so the syncer's answer can be read: say a refusal once.
+            try:
+                answer = _text(self._link.client.get(grant_key(self.run_id, self.key)))
+            except redis.RedisError:
+                return
+            reason = answer.partition(" ")[2]
+            if reason in _ENROLL_REFUSALS and reason != self._told:
+                self._told = reason
+                log.error(
+                    "learner %s: the syncer refuses us (%s): %s",
+                    self.learner_id, reason, _ENROLL_REFUSALS[reason],
+                )  # fmt: skip
 
     @property
     def connection_errors(self) -> int:
@@ -126,17 +236,21 @@ class RedisLearnerTransport(LearnerTransport):
 
     # -- deltas and heartbeats ----------------------------------------------
     def send_delta(self, delta: Delta) -> None:
+        self._act_as_learner()
         self._deltas.send(delta)
 
     def send_heartbeat(self, heartbeat: Heartbeat) -> None:
         if heartbeat.run_id != self.run_id or heartbeat.learner_id != self.learner_id:
             raise ValueError("heartbeat of another run or learner")
         frame = encode_bounded(heartbeat, self.max_message_bytes)
+        self._act_as_learner()
         if self._link.backing_off():
             self.heartbeats_dropped += 1
             return
         try:
-            self._link.client.hset(learners_key(self.run_id), self.learner_id, frame)
+            self._link.client.set(
+                heartbeat_key(self.run_id, self.learner_id), frame, ex=HEARTBEAT_TTL_S
+            )
         except Exception as e:
             if not is_transient(e):
                 raise
@@ -153,6 +267,8 @@ class RedisLearnerTransport(LearnerTransport):
 
     # -- globals --------------------------------------------------------------
     def poll(self, timeout_s: float) -> list[GlobalFragment]:
+        self._act_as_learner()
+        self._enroll()
         deadline = time.monotonic() + max(0.0, timeout_s)
         # Queued deltas go out ahead of every read: poll() is what resends them.
         return self._link.retry(deadline, self._globals.read, before=self._deltas.send_queued)
@@ -173,19 +289,52 @@ class RedisLearnerTransport(LearnerTransport):
 
     # -- learner slots ----------------------------------------------------------
     def lease(self, holder: str, ttl_s: float, timeout_s: float, held_slot: int = -1) -> int:
+        """Ask the admitting syncer on the requests stream; its answer is read from
+        our key's grant (only our ACL user may read it)."""
         if not lease_request_ok(ttl_s, held_slot):
             raise ValueError(f"lease of slot {held_slot} for {ttl_s}s: out of bounds")
-        slot = self._link.call_within(
-            timeout_s,
-            lambda: self._lease_slot(
-                keys=[leases_key(self.run_id)],
-                args=[holder, max(1, int(ttl_s * 1000)), held_slot, MAX_LEARNER_SLOTS],
-            ),
-            "learner slot",
-        )
-        if slot < 0:
-            raise TransportError(f"all {MAX_LEARNER_SLOTS} learner slots are held")
-        return int(slot)
+        req = LeaseRequest(
+            run_id=self.run_id, holder=holder, held_slot=held_slot, ttl_s=ttl_s,
+            owner_key=self.key,
+        )  # fmt: skip
+        frame = encode_bounded(req, MAX_REQUEST_BYTES)
+        deadline = time.monotonic() + timeout_s
+        grant = grant_key(self.run_id, self.key)
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            entry_id = self._link.call_within(
+                remaining, lambda: self._request(frame) or self._no_answer("redis"), "learner slot"
+            )
+            answer = self._answer_to(grant, entry_id, deadline)
+            if answer.isdigit():
+                return int(answer)
+            if answer != "no_slot":  # refused: the key is not a learner's, or revoked
+                raise TransportError(f"no learner slot: the syncer answered {answer!r}")
+            if time.monotonic() + _NO_SLOT_RETRY_S >= deadline:
+                raise TransportError(
+                    f"no learner slot within {timeout_s}s: all held, or the syncer just "
+                    "started and waits for the holders of before"
+                )
+            time.sleep(_NO_SLOT_RETRY_S)
+
+    def _answer_to(self, grant: str, entry_id: str, deadline: float) -> str:
+        """The syncer's answer to our request ``entry_id``, read from our grant."""
+        while True:
+            raw = self._link.call_within(
+                max(0.0, deadline - time.monotonic()), lambda: self._link.client.get(grant),
+                "learner slot",
+            )  # fmt: skip
+            answered, _, answer = _text(raw).partition(" ")
+            if answered == entry_id:
+                return answer
+            if time.monotonic() >= deadline:
+                raise TransportError("no learner slot: no syncer answered (is one up?)")
+            time.sleep(_GRANT_POLL_S)
+
+    @staticmethod
+    def _no_answer(what: str) -> str:
+        """Raised inside a retried call: Redis took no request (it is away)."""
+        raise redis.ConnectionError(f"{what} did not take the request")
 
     def close(self) -> None:
         if self._deltas:
@@ -193,3 +342,5 @@ class RedisLearnerTransport(LearnerTransport):
                 "learner %s: closing with %d undelivered deltas", self.learner_id, len(self._deltas)
             )
         self._link.close()
+        if self._requests is not self._link.client:
+            self._requests.close()

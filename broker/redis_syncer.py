@@ -2,12 +2,14 @@
 
 Keys, the delivery contract and the connection handling both sides share are in
 :mod:`broker.redis_common`. A syncer is one consumer of the group ``syncers`` on
-the delta streams of the fragments it owns: it re-reads its own pending entries,
-takes over those a dead consumer left (XAUTOCLAIM after ``claim_idle_s``), reads
-new ones with XREADGROUP, XACKs what the caller acks and trims the streams below
-what any group still needs (:mod:`broker.redis_deltas`). It reads heartbeats from
-the learners hash and publishes each new global to its snapshot key and the
-globals stream at once.
+the delta streams of the fragments it owns, one stream per fragment and
+learner of the roster: it re-reads its own pending entries, takes over those
+a dead consumer left (XAUTOCLAIM after ``claim_idle_s``), reads new ones with
+XREADGROUP, XACKs what the caller acks and trims the streams below what any
+group still needs (:mod:`broker.redis_deltas`). It reads the roster's
+heartbeat keys, each in bounded form, and publishes each new global to its
+snapshot key and the globals stream at once. The syncer that owns fragment 0
+also admits learners (:mod:`broker.redis_admission`).
 
 Connection errors never escape, not even from ``publish``: the newest
 unpublished global of each fragment stays queued until redis is back.
@@ -24,6 +26,9 @@ import redis
 
 from broker.errors import ConfigError
 from broker.keys import GlobalSigner, GlobalVerifier, RunKeys
+from broker.members import MAX_MEMBERS
+from broker.redis_access import SYNCER_USER, lock_down_if_open
+from broker.redis_admission import Admission
 from broker.redis_common import (
     FIELD,
     GROUP,
@@ -32,15 +37,16 @@ from broker.redis_common import (
     RedisLink,
     check_frame,
     connect,
-    delta_stream_key,
     encode_bounded,
+    heartbeat_key,
     is_transient,
-    learners_key,
     notices_key,
+    roster_key,
     to_str,
 )
 from broker.redis_deltas import DeltaReader, DeltaTrimmer, Token
 from broker.redis_globals import GlobalsPublisher
+from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import Inbound, SyncerTransport, TransportStats
 from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
 
@@ -50,6 +56,9 @@ _HEARTBEAT_READ_INTERVAL_S = 0.25
 # For deltas of a learner no heartbeat was read of: sooner, still bounded for a
 # sender that never writes one.
 _UNHEARD_READ_INTERVAL_S = 0.01
+_ROSTER_READ_INTERVAL_S = 1.0
+# A heartbeat frame is a few hundred bytes: more is read of none.
+MAX_HEARTBEAT_BYTES = 4096
 
 
 def warn_without_aof(client: redis.Redis, consumer: str) -> None:
@@ -92,6 +101,8 @@ class RedisSyncerTransport(SyncerTransport):
         globals_maxlen: int = 1000,
         block_ms: int = 200,
         socket_timeout_s: float = 5.0,
+        num_fragments: int | None = None,
+        identity_hold_s: float = GONE_AFTER_HEARTBEATS * RunSettings.heartbeat_timeout_s,
         keys: RunKeys | None = None,
     ) -> None:
         if not fragments or len(set(fragments)) != len(fragments) or min(fragments) < 0:
@@ -106,6 +117,10 @@ class RedisSyncerTransport(SyncerTransport):
             raise ConfigError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
         if socket_timeout_s <= 0:
             raise ConfigError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
+        if num_fragments is None:
+            num_fragments = max(fragments) + 1
+        if num_fragments <= max(fragments):
+            raise ConfigError(f"num_fragments {num_fragments} but fragment {max(fragments)}")
         self.run_id = run_id
         self.consumer = consumer
         self.fragments = list(fragments)
@@ -115,22 +130,33 @@ class RedisSyncerTransport(SyncerTransport):
         self.globals_maxlen = globals_maxlen
         self.stats = TransportStats()
         self._max_block_s = min(block_ms / 1000, socket_timeout_s / 2)
-        client = connect(url, socket_timeout_s, keys)
+        user = None
+        if keys is not None and keys.redis_password is not None:
+            user = (SYNCER_USER, keys.redis_password)
+            lock_down_if_open(url, socket_timeout_s, keys)
+        client = connect(url, socket_timeout_s, keys, user)
         warn_without_aof(client, consumer)
-        fragment_of = {delta_stream_key(run_id, p): p for p in fragments}
         self._deltas = DeltaReader(
             client,
             run_id,
             consumer,
             group,
-            fragment_of,
+            self.fragments,
             claim_idle_s,
             max_message_bytes,
             self.stats,
         )
         # A transient error may have lost a reply that delivered entries to us.
-        self._link = RedisLink(client, f"syncer {consumer}", self._deltas.reset_pending)
-        self._trimmer = DeltaTrimmer(client, run_id, consumer, group, self.fragments, self.stats)
+        self._link = RedisLink(client, f"syncer {consumer}", lambda _: self._deltas.reset_pending())
+        self._trimmer = DeltaTrimmer(
+            client, run_id, consumer, group, self._deltas.streams, self.stats
+        )
+        self._admission = (
+            Admission(client, run_id, num_fragments, keys, identity_hold_s, self.stats)
+            if 0 in fragments
+            else None
+        )
+        self._learners = RosterReader(client, run_id, self._admission)
         self._roster = HeartbeatRoster(client, run_id, max_message_bytes, self.stats)
         self._publisher = GlobalsPublisher(
             self._link, run_id, consumer, globals_maxlen, max_message_bytes, self.stats,
@@ -154,23 +180,32 @@ class RedisSyncerTransport(SyncerTransport):
 
     def _receive_once(self, deadline: float) -> list[Inbound]:
         self._deltas.begin()
+        if self._admission is not None:
+            self._admission.step()
+        self._deltas.follow(self._learners.read())
         self._deltas.ensure_groups()
         self._publisher.publish_queued()
         self._trimmer.acked_in(self._deltas.xack([]))  # the rejected entries of the last call
         self._trimmer.trim_due()
         self._trimmer.count_trimmed_unread()
-        items = self._roster.read()
+        items = self._heartbeats()
         items += self._deltas.claim_abandoned()
         items += self._deltas.read_own_pending()
-        if not items:
-            items += self._deltas.read_new(deadline, self._max_block_s)
+        # New entries: waiting for them only when nothing else came.
+        items += self._deltas.read_new(0.0 if items else deadline, self._max_block_s)
         # A learner's first deltas can wake this read before any heartbeat of it was
         # read (heartbeats are read before blocking, every 0.25 s): read them again
         # now, so that its pace, not the floor, bounds those deltas' step counts.
         senders = {i.message.learner_id for i in items if isinstance(i.message, Delta)}
         if not self._roster.heard_all(senders):
-            items = self._roster.read(_UNHEARD_READ_INTERVAL_S) + items
+            items = self._heartbeats(_UNHEARD_READ_INTERVAL_S) + items
         self._deltas.hand_out()
+        return items
+
+    def _heartbeats(self, interval_s: float = _HEARTBEAT_READ_INTERVAL_S) -> list[Inbound]:
+        items = self._roster.read(self._learners.ids, interval_s)
+        if self._admission is not None:
+            self._admission.heard([cast(Heartbeat, i.message).learner_id for i in items])
         return items
 
     # -- acknowledging and refusing -------------------------------------------
@@ -230,43 +265,79 @@ class RedisSyncerTransport(SyncerTransport):
         self._link.close()
 
 
+class RosterReader:
+    """The admitted learner ids: the roster hash (only syncers write it), read
+    at most every second, and at once those this syncer admitted itself."""
+
+    def __init__(self, client: redis.Redis, run_id: str, admission: Admission | None) -> None:
+        self._client = client
+        self._run_id = run_id
+        self._admission = admission
+        self._listed: list[str] = []
+        self.ids: list[str] = []
+        self._read_at = -math.inf
+
+    def read(self) -> list[str]:
+        now = time.monotonic()
+        if now - self._read_at >= _ROSTER_READ_INTERVAL_S:
+            self._read_at = now
+            key = roster_key(self._run_id)
+            if int(cast(int, self._client.hlen(key))) > MAX_MEMBERS:
+                log.error("%s holds more than %d learners: not read", key, MAX_MEMBERS)
+            else:
+                listed = cast(dict[bytes, bytes], self._client.hgetall(key))
+                self._listed = [to_str(k) for k in listed]
+        own = list(self._admission.roster) if self._admission is not None else []
+        self.ids = list(dict.fromkeys(own + self._listed))
+        return self.ids
+
+
 class HeartbeatRoster:
-    """The learners' heartbeats, read from the learners hash: each one once, when
-    it changed."""
+    """The learners' heartbeats, one key each: every one read in bounded form
+    (at most :data:`MAX_HEARTBEAT_BYTES`), and handed out once, when it changed."""
 
     def __init__(
         self, client: redis.Redis, run_id: str, max_message_bytes: int, stats: TransportStats
     ) -> None:
         self._client = client
         self._run_id = run_id
-        self._max_message_bytes = max_message_bytes
+        self._max_bytes = min(max_message_bytes, MAX_HEARTBEAT_BYTES)
         self._stats = stats
-        self._frames: dict[bytes, bytes] = {}  # learner id -> the frame last read
+        self._frames: dict[str, bytes] = {}  # learner id -> the frame last read
         self._last_read_at = -math.inf
 
     def heard_all(self, learner_ids: set[str]) -> bool:
         """Whether a heartbeat of each of ``learner_ids`` was read."""
-        return not {i.encode() for i in learner_ids} - self._frames.keys()
+        return not learner_ids - self._frames.keys()
 
-    def read(self, interval_s: float = _HEARTBEAT_READ_INTERVAL_S) -> list[Inbound]:
-        """Heartbeats that changed since the last read, if it was ``interval_s`` ago."""
+    def read(self, learner_ids: list[str], interval_s: float) -> list[Inbound]:
+        """Heartbeats of ``learner_ids`` that changed since the last read, if it
+        was ``interval_s`` ago."""
         now = time.monotonic()
-        if now < self._last_read_at + interval_s:
+        if now < self._last_read_at + interval_s or not learner_ids:
             return []
         self._last_read_at = now
-        frames = cast(dict[bytes, bytes], self._client.hgetall(learners_key(self._run_id)))
+        pipe = self._client.pipeline(transaction=False)
+        for learner in learner_ids:
+            # One byte past the bound: a longer value is seen to be too long.
+            pipe.getrange(heartbeat_key(self._run_id, learner), 0, self._max_bytes)
         items: list[Inbound] = []
-        for learner, frame in frames.items():
-            if self._frames.get(learner) == frame:
+        for learner, frame in zip(learner_ids, pipe.execute(), strict=True):
+            if not frame or self._frames.get(learner) == frame:
                 continue
             self._frames[learner] = frame
-            msg = check_frame(frame, self._max_message_bytes, self._stats)
+            if len(frame) > self._max_bytes:
+                self._stats.rejected["too_large"] += 1
+                continue
+            msg = check_frame(frame, self._max_bytes, self._stats)
             if msg is None:
                 continue
             if not isinstance(msg, Heartbeat):
                 self._stats.rejected["wrong_kind"] += 1
             elif msg.run_id != self._run_id:
                 self._stats.rejected["wrong_run"] += 1
+            elif msg.learner_id != learner:
+                self._stats.rejected["wrong_learner"] += 1
             else:
                 self._stats.messages_received += 1
                 items.append(Inbound(msg))

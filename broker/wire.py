@@ -35,7 +35,7 @@ except ImportError:  # a platform without isal's wheel
 
 # 2: globals carry their syncer epoch, deltas their base's; 3: a global may be a
 # change, and names the checksum of the weights it makes
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 MAGIC = b"DDL1"
 _PREFIX = struct.Struct("<4sII")
 _CRC = struct.Struct("<I")
@@ -106,6 +106,16 @@ def _check_key(name: str, v: Any) -> None:
         raise WireError("bad_field", f"{name} must be 64 hex digits")
 
 
+def _check_id_or_empty(name: str, v: Any) -> None:
+    if v != "":
+        _check_id(name, v)
+
+
+def _check_key_or_empty(name: str, v: Any) -> None:
+    if v != "":
+        _check_key(name, v)
+
+
 def _check_role(name: str, v: Any) -> None:
     if v not in ROLES:
         raise WireError("bad_field", f"{name} must be one of {ROLES}")
@@ -147,8 +157,10 @@ _CHECKS = {
     "ttl_s": _check_time,
     "signature": _check_signature,
     "key": _check_key,
-    "proof": _check_key,
+    "proof": _check_key_or_empty,  # empty: a run without keys
     "role": _check_role,
+    "claims": _check_id_or_empty,
+    "owner_key": _check_key_or_empty,
 }
 
 
@@ -379,6 +391,9 @@ class Enroll(Message):
     key: str = ""
     role: str = "learner"
     proof: str = ""
+    # Over Redis, the learner id the key will send as ("" for none yet: a slot
+    # learner leases one); over ZeroMQ an id is bound by the first message.
+    claims: str = ""
 
 
 @dataclass(frozen=True)
@@ -392,6 +407,9 @@ class LeaseRequest(Message):
     holder: str = ""
     held_slot: int = -1
     ttl_s: float = 0.0
+    # Over Redis, the enrolled key that asks (its ACL user reads the grant);
+    # over ZeroMQ the key of the connection.
+    owner_key: str = ""
 
 
 @dataclass(frozen=True)

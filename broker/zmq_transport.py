@@ -39,10 +39,17 @@ import zmq
 
 from broker import wire
 from broker.config_checks import check_positive, require
-from broker.keys import GlobalSigner, GlobalVerifier, Identity, RunKeys, enroll_proof
+from broker.keys import (
+    GlobalSigner,
+    GlobalVerifier,
+    Identity,
+    RunKeys,
+    curve_key_hex,
+    enroll_proof,
+)
+from broker.members import Members, SlotLeases
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import (
-    MAX_LEARNER_SLOTS,
     Backpressure,
     Inbound,
     LearnerTransport,
@@ -65,7 +72,7 @@ from broker.wire import (
     SnapshotRequest,
     WireError,
 )
-from broker.zmq_auth import GLOBALS_DOMAIN, REQUESTS_DOMAIN, Members, ZapHandler
+from broker.zmq_auth import GLOBALS_DOMAIN, REQUESTS_DOMAIN, ZapHandler
 
 log = logging.getLogger(__name__)
 GLOBALS_TOPIC = b"g"
@@ -724,59 +731,6 @@ class ZmqLearnerTransport(LearnerTransport):
         self._ctx.destroy(linger=0)
 
 
-class SlotLeases:
-    """Learner slots, held by the first syncer: the rule of
-    ``LearnerTransport.lease`` by this process's clock. In memory only: for half
-    a lease period after a start it grants only the slots holders say they hold."""
-
-    def __init__(self, stats: TransportStats) -> None:
-        self._stats = stats
-        self._leases: dict[int, tuple[str, str, float]] = {}  # slot -> (holder, key, expiry)
-        self._started = time.monotonic()
-
-    def leased_slots(self) -> frozenset[int]:
-        """Every slot a lease was granted for (running or run out)."""
-        return frozenset(self._leases)
-
-    def grant(
-        self, req: LeaseRequest, owner: str = "", in_use: frozenset[int] = frozenset()
-    ) -> int | None:
-        """The slot ``req`` gets, or None when it gets none now (it asks again).
-        ``owner``: the key the request came on (with the run's keys): a lease is
-        renewed only by the key that took it, whatever holder name another uses.
-        ``in_use``: slots whose learner id another live key sends as (a learner
-        that named itself ``learner-<slot>``): never granted, or its id would be
-        handed over."""
-        if not lease_request_ok(req.ttl_s, req.held_slot):
-            self._stats.rejected["bad_lease"] += 1
-            return None
-        now = time.monotonic()
-        mine = [
-            s
-            for s, (holder, key, _) in self._leases.items()
-            if (holder, key) == (req.holder, owner)
-        ]
-        taken = {s for s, (_, _, expiry) in self._leases.items() if expiry > now} - set(mine)
-        taken |= in_use
-        mine = [s for s in mine if s not in in_use]
-        if mine:
-            slot = min(mine)
-        elif req.held_slot >= 0 and req.held_slot not in taken:
-            slot = req.held_slot
-        elif now - self._started < req.ttl_s / 2:
-            # Just started: leases granted before may still run. Their holders
-            # renew within a third of the lease, so they reclaim their slots
-            # first, and a newcomer asks again.
-            return None
-        else:
-            slot = next(s for s in range(len(taken) + 1) if s not in taken)
-            if slot >= MAX_LEARNER_SLOTS:
-                self._stats.rejected["no_free_slot"] += 1
-                return None
-        self._leases[slot] = (req.holder, owner, now + req.ttl_s)
-        return slot
-
-
 class LatestGlobals:
     """The newest global of each fragment, encoded, for snapshot requests."""
 
@@ -831,8 +785,9 @@ class LatestGlobals:
 
 
 def _peer_key(frame: zmq.Frame) -> str:
-    """The CURVE key (z85) a frame came on: what our ZAP handler named the peer."""
-    return str(frame.get("User-Id"))
+    """The CURVE key a frame came on (our ZAP handler named the peer by it, z85),
+    in hex: the member's key."""
+    return curve_key_hex(str(frame.get("User-Id")))
 
 
 class ZmqSyncerTransport(SyncerTransport):
@@ -914,7 +869,8 @@ class ZmqSyncerTransport(SyncerTransport):
             return False
         key = _peer_key(frame)
         if isinstance(msg, Enroll):
-            reason = self._members.enroll(key, msg)
+            # A proof made for another key than the one it came on is refused.
+            reason = "enroll_key_mismatch" if msg.key != key else self._members.enroll(key, msg)
         elif isinstance(msg, Delta | Heartbeat):
             reason = self._members.check(key, msg.learner_id, writes=True)
         elif isinstance(msg, LeaseRequest):

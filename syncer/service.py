@@ -114,6 +114,7 @@ class Syncer:
             syncer_id=cfg.syncer_id,
             fragments=self.owned,
             max_message_bytes=self.plan.max_message_bytes,
+            num_fragments=self.plan.num_fragments,
             keys=run.run_keys("syncer"),
         )
         if fresh and not cfg.new_epoch:

@@ -1,11 +1,13 @@
-"""Attackers of a live ZeroMQ run, scripted inside it (tests/test_e2e_local.py).
+"""Attackers of a live run, scripted inside it (tests/test_e2e_local.py), over
+ZeroMQ (:func:`attack_live_run`) or Redis (:func:`attack_live_redis_run`).
 
 Three kinds, as docs/security.md names them: an outsider who reaches the
 ports with no key; a process that holds the join secret; an enrolled learner
 that poses as another. Each runs the attacks the transport used to let
 through (roster squatting, posing as learner-0 with a future incarnation and
 poisoned deltas, reading the weights, filling the learner slots, a flood of
-snapshot requests) and records what came back.
+snapshot requests; over Redis also forged globals and refusals, oversized
+entries and scripts) and records what came back.
 """
 
 from __future__ import annotations
@@ -13,15 +15,34 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
 import torch
 import zmq
 
 from broker import wire
 from broker.codecs import Codec
 from broker.keys import Identity, RunKeys, enroll_proof
+from broker.redis_access import (
+    JOIN_USER,
+    join_password,
+    member_password,
+    member_user,
+    password_digest,
+)
+from broker.redis_common import (
+    FIELD,
+    delta_stream_key,
+    globals_stream_key,
+    heartbeat_key,
+    model_key,
+    notices_key,
+    requests_key,
+    roster_key,
+)
 from broker.wire import Delta, Enroll, Heartbeat, LeaseRequest, SnapshotRequest
 from broker.zmq_transport import GLOBALS_TOPIC, pub_endpoint
 
@@ -152,6 +173,124 @@ def attack_live_run(
         threading.Thread(
             target=lambda: results.__setitem__(
                 "joiner", _joiner(run_id, endpoint, keys, stop, victim)
+            )
+        ),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+# -- Redis ---------------------------------------------------------------------------
+def _tried(outcome: Outcome, what: str, action: Callable[[], object]) -> None:
+    """Run ``action``, and count what Redis answered, as ``what: answer``."""
+    outcome.sent += 1
+    try:
+        action()
+    except redis.RedisError as e:
+        outcome.replies[f"{what}: {type(e).__name__}"] += 1
+    else:
+        outcome.replies[f"{what}: ok"] += 1
+
+
+def _redis_outsider(run_id: str, port: int, stop: threading.Event) -> Outcome:
+    """No user: read the weights, squat the roster, pose as learner-0 and forge
+    a global, a refusal and a heartbeat."""
+    client = redis.Redis(port=port, socket_timeout=5)
+    outcome = Outcome()
+    frame = wire.encode(_delta(run_id, "learner-0", int(time.time()) + 50, 1, 8))
+    while not stop.wait(0.2):
+        for what, action in {
+            "read the model": lambda: client.get(model_key(run_id, 0)),
+            "squat the roster": lambda: client.hset(roster_key(run_id), "squatter-0", "0" * 64),
+            "write as learner-0": lambda: client.xadd(
+                delta_stream_key(run_id, 0, "learner-0"), {FIELD: frame}
+            ),
+            "forge a global": lambda: client.xadd(globals_stream_key(run_id), {FIELD: frame}),
+            "forge a refusal": lambda: client.xadd(
+                notices_key(run_id, "learner-0"), {FIELD: frame}
+            ),
+            "beat as learner-0": lambda: client.set(heartbeat_key(run_id, "learner-0"), frame),
+        }.items():
+            _tried(outcome, what, action)
+    client.close()
+    return outcome
+
+
+def _redis_joiner(
+    run_id: str, port: int, keys: RunKeys, stop: threading.Event, victim: str
+) -> Outcome:
+    """Holds the join secret: enrolls a key of its own as ``intruder-0``
+    (allowed: it may add a learner) and another key as ``victim``; floods the
+    requests stream with 1 MB entries; and, logged in as its own member, tries
+    to write the victim's stream, heartbeat and notices, the globals, and to
+    run a script that would stall Redis."""
+    joiner = redis.Redis(
+        port=port, username=JOIN_USER, password=join_password(keys.join_secret), socket_timeout=5
+    )
+    own, posing = Identity.new(), Identity.new()
+
+    def enrollment(identity: Identity, claims: str) -> bytes:
+        key = password_digest(member_password(identity.secret))
+        proof = enroll_proof(keys.join_secret, run_id, key, "learner")
+        return wire.encode(
+            Enroll(run_id=run_id, key=key, role="learner", proof=proof, claims=claims)
+        )
+
+    password = member_password(own.secret)
+    member = redis.Redis(
+        port=port, username=member_user(run_id, password_digest(password)), password=password,
+        socket_timeout=5,
+    )  # fmt: skip
+    heartbeat = wire.encode(Heartbeat(run_id=run_id, learner_id="intruder-0", incarnation=1))
+    poison = wire.encode(_delta(run_id, victim, time.time_ns() + 50 * 10**9, 1, 8))
+    outcome = Outcome()
+    requests = requests_key(run_id)
+    while not stop.wait(0.2):
+        for what, action in {
+            "enroll as intruder-0": lambda: joiner.xadd(
+                requests, {FIELD: enrollment(own, "intruder-0")}
+            ),
+            "enroll as the victim": lambda: joiner.xadd(
+                requests, {FIELD: enrollment(posing, victim)}
+            ),
+            "a 1 MB request": lambda: joiner.xadd(requests, {FIELD: b"x" * 2**20}),
+            "read the model unenrolled": lambda: joiner.get(model_key(run_id, 0)),
+            "beat as intruder-0": lambda: member.set(
+                heartbeat_key(run_id, "intruder-0"), heartbeat
+            ),
+            "read the model enrolled": lambda: member.get(model_key(run_id, 0)),
+            "write as the victim": lambda: member.xadd(
+                delta_stream_key(run_id, 0, victim), {FIELD: poison}
+            ),
+            "beat as the victim": lambda: member.set(heartbeat_key(run_id, victim), heartbeat),
+            "forge a refusal": lambda: member.xadd(
+                notices_key(run_id, "intruder-0"), {FIELD: poison}
+            ),
+            "forge a global": lambda: member.xadd(globals_stream_key(run_id), {FIELD: poison}),
+            "stall redis with a script": lambda: member.eval("while true do end", 0),
+        }.items():
+            _tried(outcome, what, action)
+    joiner.close()
+    member.close()
+    return outcome
+
+
+def attack_live_redis_run(
+    run_id: str, port: int, keys_dir: Path, stop: threading.Event, victim: str = "learner-0"
+) -> dict[str, Outcome]:
+    """Run both Redis attackers until ``stop``; what each got back."""
+    keys = RunKeys.load(keys_dir, "learner")
+    results: dict[str, Outcome] = {}
+    threads = [
+        threading.Thread(
+            target=lambda: results.__setitem__("outsider", _redis_outsider(run_id, port, stop))
+        ),
+        threading.Thread(
+            target=lambda: results.__setitem__(
+                "joiner", _redis_joiner(run_id, port, keys, stop, victim)
             )
         ),
     ]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import redis
 
+from broker.keys import REDIS_ACL, REDIS_SYNCER
+from broker.redis_access import SYNCER_USER
 from broker.tls import TLS_CA, redis_server_tls_args
 
 
@@ -69,30 +71,37 @@ class RedisServer:
         workdir: Path,
         port: int | None = None,
         password: str | None = None,
-        tls_keys: Path | None = None,
+        keys: Path | None = None,
+        tls: bool = False,
     ) -> None:
         self.workdir = workdir
         self.port = port or free_port()
         self.password = password
-        self.tls_keys = tls_keys  # a run key folder: TLS only, with its certificate
+        self.keys = keys  # a run key folder: its ACL users (and its certificate for TLS)
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        scheme = "rediss" if self.tls_keys else "redis"
+        scheme = "rediss" if self.tls else "redis"
         return f"{scheme}://{auth}127.0.0.1:{self.port}/0"
 
     def client(self, **kw) -> redis.Redis:
-        """A plain redis-py client of this server (TLS checked against the run's CA)."""
-        if self.tls_keys:
-            kw.setdefault("ssl_ca_certs", str(self.tls_keys / TLS_CA))
+        """A redis-py client of this server: with the run's keys as the syncers'
+        user (TLS checked against the run's CA)."""
+        if self.keys and self.tls:
+            kw.setdefault("ssl_ca_certs", str(self.keys / TLS_CA))
+        if self.keys:
+            kw.setdefault("username", SYNCER_USER)
+            kw.setdefault("password", (self.keys / REDIS_SYNCER).read_text().strip())
         return redis.Redis.from_url(self.url, **kw)
 
     def start(self, timeout_s: float = 15.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        if self.tls_keys:
-            listen = redis_server_tls_args(self.tls_keys, self.port)
+        if self.tls:
+            assert self.keys is not None, "TLS needs the run's keys (its certificate)"
+            listen = redis_server_tls_args(self.keys, self.port)
         else:
             listen = ["--port", str(self.port)]
         args = [
@@ -115,6 +124,8 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.keys:
+            args += ["--aclfile", str(self.keys / REDIS_ACL)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = self.client(socket_timeout=1)
 

@@ -370,7 +370,7 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
         listed = run(["docker", "stack", "services", stack, "--format", "{{json .}}"])
         services = {json.loads(line)["Name"]: json.loads(line) for line in listed.splitlines()}
         assert services[f"{stack}_learner"]["Replicas"] == "2/2"
-        # The keys went as swarm secrets: the syncer's five, a learner's three.
+        # The keys went as swarm secrets: the syncer's six, a learner's three.
         secrets = {s.name for s in client.secrets.list()}
         assert {f"{stack}_{name}" for name in ("join.secret", "signing.key")} <= secrets
         learner_spec = client.services.get(f"{stack}_learner").attrs["Spec"]

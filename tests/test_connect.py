@@ -304,11 +304,11 @@ def test_redis_delta_and_ack_over_a_real_server(redis_server: RedisServer) -> No
             assert isinstance(syncer, RedisSyncerTransport)
             assert learner.max_unacked == 3
             assert (syncer.claim_idle_s, syncer.group) == (7.0, "g-test")
-            stream = delta_stream_key(RUN, 1)
+            stream = delta_stream_key(RUN, 1, learner.learner_id)
+            inbound = deliver(learner, syncer, delta(seq=1, fragment=1))
             # The syncer made its consumer group under the URL's name, not the default.
             assert [g["name"] for g in client.xinfo_groups(stream)] == [b"g-test"]
             assert GROUP != "g-test"
-            inbound = deliver(learner, syncer, delta(seq=1, fragment=1))
             assert learner.unacked == 0  # redis has it: delivered
             assert client.xpending(stream, "g-test")["pending"] == 1
             syncer.ack([inbound])

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
+from broker.keys import make_keys
 from compose.processes import free_port_pair
-from tests.attackers import Outcome, attack_live_run
+from tests.attackers import Outcome, attack_live_redis_run, attack_live_run
 from tests.servers import RedisServer, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -81,9 +82,12 @@ def applied_keys(events: list[dict[str, Any]]) -> Counter[tuple[str, int, int]]:
 def transport_args(transport: str, tmp_path: Path) -> tuple[list[str], RedisServer | None]:
     if transport == "zmq":
         return [], None
-    server = RedisServer(tmp_path / "redis")
+    # Redis with the run's users, as deployed (`redis-server --aclfile`); every
+    # run of a test uses the same keys, as every run on one Redis must.
+    keys = make_keys(tmp_path / "keys")
+    server = RedisServer(tmp_path / "redis", keys=keys)
     server.start()
-    return ["--url", server.url], server
+    return ["--url", server.url, "--keys", str(keys)], server
 
 
 @pytest.fixture(params=["zmq", "redis"])
@@ -209,6 +213,17 @@ def test_deferred_evaluations_are_dated_by_their_copies(tmp_path: Path, mode: st
     assert [e["loss"] for e in events if e["event"] == "eval"] == [e["loss"] for e in evals]
 
 
+def both_merged(out: Path) -> bool:
+    """Whether a round merged both real learners: each holds its id by then
+    (before a named learner first speaks, a holder of the join secret can
+    take its id: docs/security.md)."""
+    path = out / "syncer.jsonl"
+    rounds = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return {k[0] for e in rounds if e["event"] == "round" for k in e["keys"]} == {
+        "learner-0", "learner-1"
+    }  # fmt: skip
+
+
 @pytest.mark.timeout(420)
 def test_attackers_inside_a_live_zmq_run_neither_read_steer_nor_stall_it(tmp_path: Path) -> None:
     """The issue's run (2 learners, 150 steps, keys on by default) with an
@@ -231,16 +246,7 @@ def test_attackers_inside_a_live_zmq_run_neither_read_steer_nor_stall_it(tmp_pat
     stop = threading.Event()
     results: dict[str, Outcome] = {}
     try:
-        # From the first round that merged both real learners: each holds its
-        # id by then. (Before a named learner first speaks, a holder of the join
-        # secret can take its id: docs/security.md.)
-        def both_merged() -> bool:
-            path = out / "syncer.jsonl"
-            rounds = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-            merged = {k[0] for e in rounds if e["event"] == "round" for k in e["keys"]}
-            return merged == {"learner-0", "learner-1"}
-
-        wait_until(both_merged, 180, interval_s=0.2, what="a round of both learners")
+        wait_until(lambda: both_merged(out), 180, interval_s=0.2, what="a round of both")
         run_id = (out / "run-id").read_text().strip()
         attack = threading.Thread(
             target=lambda: results.update(
@@ -275,4 +281,66 @@ def test_attackers_inside_a_live_zmq_run_neither_read_steer_nor_stall_it(tmp_pat
     assert {name for name, _ in merged} == {"learner-0", "learner-1"}
     assert len(merged) == 2 and summary["duplicates"] == 0
     # And the model trained as a clean run does (clean: 2.49-2.59).
+    assert summary["final_eval_loss"] < 2.8, summary["final_eval_loss"]
+
+
+@pytest.mark.timeout(420)
+def test_attackers_inside_a_live_redis_run_neither_read_steer_nor_stall_it(
+    tmp_path: Path,
+) -> None:
+    """The same run over Redis, started with the run's users. Before keys anyone
+    who reached Redis read the weights, forged a global of a new epoch (the
+    learners went NaN), refusals and roster entries, and filled the learner
+    slots. Now the outsider is refused every command, the holder of the join
+    secret may only ask (its oversized requests are dropped inside Redis),
+    its own learner may write only its own keys, and the run trains as a
+    clean one does."""
+    keys = make_keys(tmp_path / "keys")
+    server = RedisServer(tmp_path / "redis", keys=keys)
+    server.start()
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "compose.cli", "local", "--out", str(out), "--no-progress",
+            "--learners", "2", "--steps", "150", "--url", server.url, "--keys", str(keys),
+        ],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stop = threading.Event()
+    results: dict[str, Outcome] = {}
+    try:
+        wait_until(lambda: both_merged(out), 180, interval_s=0.2, what="a round of both")
+        run_id = (out / "run-id").read_text().strip()
+        attack = threading.Thread(
+            target=lambda: results.update(attack_live_redis_run(run_id, server.port, keys, stop))
+        )
+        attack.start()
+        _, stderr = proc.communicate(timeout=400)
+        stop.set()
+        attack.join(timeout=30)
+    finally:
+        stop.set()
+        proc.kill()
+        server.stop()
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    outsider, joiner = results["outsider"], results["joiner"]
+    # The outsider was refused every command; the joiner got what a learner it
+    # may add gets (its requests taken, its own heartbeat, the model as a
+    # member) and nothing else, ever.
+    assert outsider.sent > 0
+    assert all(r.endswith("AuthenticationError") for r in outsider.replies), outsider.replies
+    allowed = ("enroll as", "a 1 MB request", "beat as intruder-0", "read the model enrolled")
+    for reply in joiner.replies:
+        what, answer = reply.split(": ")
+        assert answer != "ok" or what.startswith(allowed), reply
+    assert joiner.replies["beat as intruder-0: ok"] > 0, joiner.replies
+    assert joiner.replies["write as the victim: NoPermissionError"] > 0, joiner.replies
+    refused = summary["transport_refused_by_reason"]
+    assert refused.get("identity_taken", 0) >= 5 and refused.get("too_large", 0) >= 5, refused
+    merged = {(k[0], k[1]) for e in events if e["event"] == "round" for k in e["keys"]}
+    assert {name for name, _ in merged} == {"learner-0", "learner-1"}
+    assert len(merged) == 2 and summary["duplicates"] == 0
+    assert set(summary["rejected_by_reason"]) <= {"stale"}
     assert summary["final_eval_loss"] < 2.8, summary["final_eval_loss"]

@@ -20,6 +20,7 @@ from broker.errors import ConfigError
 from broker.keys import (
     CURVE_SECRET,
     JOIN_SECRET,
+    REDIS_ACL,
     SIGNING_KEY,
     GlobalSigner,
     GlobalVerifier,
@@ -44,7 +45,8 @@ def keys_dir(tmp_path: Path) -> Path:
 def test_the_key_folder_is_private_and_each_role_gets_what_it_needs(keys_dir: Path) -> None:
     assert stat.S_IMODE(keys_dir.stat().st_mode) == 0o700
     for f in keys_dir.iterdir():
-        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+        # Redis's users file holds digests only, read by the Redis server's user.
+        assert stat.S_IMODE(f.stat().st_mode) == (0o644 if f.name == REDIS_ACL else 0o600), f
     syncer = RunKeys.load(keys_dir, "syncer")
     learner = RunKeys.load(keys_dir, "learner")
     assert syncer.signing_key is not None and syncer.curve_secret is not None

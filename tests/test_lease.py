@@ -3,19 +3,19 @@ transports, against a real redis-server and real ZeroMQ sockets on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import redis
 import zmq
 
 from broker import wire
 from broker.connect import connect_learner, connect_syncer
 from broker.keys import Identity, RunKeys
-from broker.redis_common import leases_key
 from broker.settings import RunSettings
 from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, TransportError
 from broker.wire import LeaseRequest
@@ -40,22 +40,20 @@ def zmq_url() -> str:
             continue
 
 
-class ZmqAuthority:
-    """A syncer-side transport pumped by a thread: the ZeroMQ lease authority."""
+class Authority:
+    """A syncer-side transport pumped by a thread: the lease authority (the first
+    ZeroMQ syncer, or the Redis syncer that owns fragment 0)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, keyed: bool = True) -> None:
         self.url = url
+        self._keys = RunKeys.load(run_keys(), "syncer") if keyed else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self._stop.clear()
         transport = connect_syncer(
-            self.url,
-            run_id=RUN,
-            syncer_id="s",
-            fragments=[0],
-            keys=RunKeys.load(run_keys(), "syncer"),
+            self.url, run_id=RUN, syncer_id="s", fragments=[0], keys=self._keys
         )
 
         def pump() -> None:
@@ -72,22 +70,28 @@ class ZmqAuthority:
             self._thread.join(timeout=10)
 
 
+@contextmanager
+def keyed_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis with the run's ACL users."""
+    server = RedisServer(tmp_path / "redis", keys=Path(run_keys()))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(params=["redis", "zmq"])
 def broker_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "redis":
-        server = RedisServer(tmp_path / "redis")
-        server.start()
-        try:
-            yield server.url
-        finally:
-            server.stop()
-    else:
-        authority = ZmqAuthority(zmq_url())
+    with contextlib.ExitStack() as stack:
+        if request.param == "redis":
+            url = stack.enter_context(keyed_redis(tmp_path)).url
+        else:
+            url = zmq_url()
+        authority = Authority(url)
         authority.start()
-        try:
-            yield authority.url
-        finally:
-            authority.stop()
+        stack.callback(authority.stop)
+        yield url
 
 
 IDENTITIES: dict[str, Identity] = {}  # a holder's key pair, as its state_dir keeps it
@@ -113,12 +117,11 @@ def test_holders_get_distinct_lowest_slots_and_keep_them(broker_url: str) -> Non
         again = learner(broker_url, "host-b")  # restarted, its key pair kept
         assert again.lease("host-b", ttl_s=TTL_S, timeout_s=10) == slots["host-b"]
         again.close()
-        if broker_url.startswith("zmq"):
-            # Another key under the same holder name (an impostor holding the
-            # join secret) gets a slot of its own, never the holder's.
-            impostor = learner(broker_url, "host-b", Identity.new())
-            assert impostor.lease("host-b", ttl_s=TTL_S, timeout_s=10) not in slots.values()
-            impostor.close()
+        # Another key under the same holder name (an impostor holding the join
+        # secret) gets a slot of its own, never the holder's.
+        impostor = learner(broker_url, "host-b", Identity.new())
+        assert impostor.lease("host-b", ttl_s=TTL_S, timeout_s=10) not in slots.values()
+        impostor.close()
     finally:
         for t in clients.values():
             t.close()
@@ -164,24 +167,27 @@ def test_no_authority_is_a_transport_error_within_the_timeout(tmp_path: Path) ->
 
 
 def test_redis_leases_survive_a_redis_restart(tmp_path: Path) -> None:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    try:
+    """The slots live in the syncer; Redis restarted (without the members' ACL
+    users, which the learners enroll again for) changes nothing."""
+    with keyed_redis(tmp_path) as server:
+        authority = Authority(server.url)
+        authority.start()
         a = learner(server.url, "a")
-        assert a.lease("a", ttl_s=60, timeout_s=10) == 0
-        server.kill()  # SIGKILL: only the AOF survives
-        server.start()
-        b = learner(server.url, "b")
-        assert b.lease("b", ttl_s=60, timeout_s=10) == 1
-        assert a.lease("a", ttl_s=60, timeout_s=10) == 0
-        a.close()
-        b.close()
-    finally:
-        server.stop()
+        try:
+            assert a.lease("a", ttl_s=TTL_S, timeout_s=10) == 0
+            server.kill()  # SIGKILL: only the AOF survives
+            server.start()
+            b = learner(server.url, "b")
+            assert b.lease("b", ttl_s=TTL_S, timeout_s=10) == 1
+            assert a.lease("a", ttl_s=TTL_S, timeout_s=10, held_slot=0) == 0
+            b.close()
+        finally:
+            a.close()
+            authority.stop()
 
 
 def test_zmq_authority_restart_lets_holders_reclaim_first() -> None:
-    authority = ZmqAuthority(zmq_url())
+    authority = Authority(zmq_url())
     authority.start()
     a, b = learner(authority.url, "a"), learner(authority.url, "b")
     try:
@@ -205,21 +211,28 @@ def test_slot_lease_renews_and_reports_a_lost_slot(tmp_path: Path) -> None:
     server.start()
     lost = threading.Event()
     run = RunSettings(
-        run_id=RUN, url=server.url, fragments=1, sync_every=1, overlap=0, keys=run_keys()
+        run_id=RUN, url=server.url, fragments=1, sync_every=1, overlap=0, insecure=True
     )
+    authority = Authority(server.url, keyed=False)
+    authority.start()
     lease = SlotLease(run, "host-a", None, on_lost=lost.set, ttl_s=0.6)
     try:
         assert lease.take(timeout_s=10) == 0
         wait_until(lambda: lease.renewals >= 2, 10, what="two renewals")
-        # Another holder took the slot (a partition longer than the lease):
-        # the next renewal notices, and the learner is told to stop.
-        client = redis.Redis.from_url(server.url)
-        far = int(time.time() * 1000) + 60_000
-        client.hset(leases_key(RUN), "0", f"host-b {far}")
+        # Another holder took the slot (here: without keys, a newcomer naming it
+        # just after the authority restarted): the next renewal notices, and the
+        # learner is told to stop.
+        authority.stop()
+        authority.start()
+        thief = connect_learner(
+            server.url, run_id=RUN, learner_id="host-b", incarnation=1, num_fragments=1
+        )
+        assert thief.lease("host-b", ttl_s=60, timeout_s=10, held_slot=0) == 0
         wait_until(lost.is_set, 10, what="the lost slot to be reported")
-        client.close()
+        thief.close()
     finally:
         lease.close()
+        authority.stop()
         server.stop()
 
 

@@ -30,6 +30,8 @@ from torch.nn.parallel import DistributedDataParallel
 from broker.codecs import Codec
 from broker.fragments import FragmentPlan, synced_parameters
 from broker.initial_model import write_initial_model
+from broker.keys import RunKeys
+from broker.redis_access import SYNCER_USER
 from broker.redis_common import FIELD, globals_stream_key, model_key
 from broker.settings import RunSettings
 from broker.wire import GlobalFragment, encode, weights_checksum
@@ -440,6 +442,17 @@ def test_a_global_forged_into_redis_with_a_huge_version_locks_no_learner_out(
                 weights_crc=weights_checksum(flat),
             )  # fmt: skip
             client = redis.Redis.from_url(url)
+            if keyed:
+                # With the run's keys Redis takes nobody without a user: an
+                # outsider writes nothing. A forger who got the syncers' own
+                # user (Redis itself compromised) is left to the signatures.
+                with pytest.raises(redis.AuthenticationError):
+                    client.set(model_key("lib", 0), encode(forged))
+                client.close()
+                syncer_keys = RunKeys.load(run_keys(), "syncer")
+                client = redis.Redis.from_url(
+                    url, username=SYNCER_USER, password=syncer_keys.redis_password
+                )
             client.set(model_key("lib", 0), encode(forged))
             client.xadd(globals_stream_key("lib"), {FIELD: encode(forged)})
             client.close()

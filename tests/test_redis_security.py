@@ -1,25 +1,45 @@
-"""Redis with the run's keys: TLS with the run's own CA (``rediss://``), against a
-real Redis 7 server (these tests fail, never skip, without one)."""
+"""Redis with the run's keys: TLS with the run's own CA (``rediss://``), ACL users
+per role and per learner, enrollment, revocation and the bounded request
+stream, against a real Redis 7 server (these tests fail, never skip, without
+one). Each attack is written as what an outsider, a holder of the join secret,
+or an enrolled learner tries, and what Redis answers."""
 
 from __future__ import annotations
 
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 from cryptography import x509
 
-from broker.keys import RunKeys, make_keys
+from broker.keys import Identity, RunKeys, make_keys, revoke
+from broker.redis_access import (
+    JOIN_USER,
+    join_password,
+    member_password,
+    member_user,
+    password_digest,
+)
+from broker.redis_common import (
+    delta_stream_key,
+    globals_stream_key,
+    grant_key,
+    heartbeat_key,
+    model_key,
+    notices_key,
+    requests_key,
+    roster_key,
+)
 from broker.redis_learner import RedisLearnerTransport
 from broker.redis_syncer import RedisSyncerTransport
 from broker.tls import REDIS_CERT, REDIS_KEY, TLS_CA, issue_redis_cert, redis_cert_hosts
 from broker.transport import TransportError
-from broker.wire import Delta
+from broker.wire import Delta, Heartbeat
 from tests.servers import RedisServer, take_globals, wait_until
-from tests.test_redis_transport import RUN, make_delta, make_global, send_all
+from tests.test_redis_transport import RUN, make_delta, make_global
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +51,7 @@ def keys_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def tls_server(tmp_path: Path, keys_dir: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis", tls_keys=keys_dir)
+    server = RedisServer(tmp_path / "redis", keys=keys_dir, tls=True)
     server.start()
     try:
         yield server
@@ -59,6 +79,29 @@ def reload_tls(server: RedisServer, keys_dir: Path) -> None:
     admin.close()
 
 
+def exchange(
+    syncer: RedisSyncerTransport, learners: list[RedisLearnerTransport], deltas: list[Delta]
+) -> list[Delta]:
+    """Send ``deltas`` (each by the learner it names) with the syncer running, as
+    it does in a run: it admits the learners before their writes are taken.
+    Returns the deltas the syncer received (and acked) meanwhile."""
+    by_id = {t.learner_id: t for t in learners}
+    for d in deltas:
+        by_id[d.learner_id].send_delta(d)
+    got: list[Delta] = []
+
+    def delivered() -> bool:
+        for t in learners:
+            t.poll(0.01)
+        items = syncer.receive(0.05)
+        syncer.ack(items)
+        got.extend(i.message for i in items if isinstance(i.message, Delta))
+        return len(got) >= len(deltas)
+
+    wait_until(delivered, 20, interval_s=0, what=f"{len(deltas)} deltas")
+    return got
+
+
 @pytest.mark.timeout(60)
 def test_deltas_and_signed_globals_over_tls_with_the_runs_ca(
     tls_server: RedisServer, keys_dir: Path
@@ -70,10 +113,7 @@ def test_deltas_and_signed_globals_over_tls_with_the_runs_ca(
         url, RUN, "learner-0", 1, num_fragments=1, keys=RunKeys.load(keys_dir, "learner")
     )
     try:
-        send_all(learner, [make_delta("learner-0", 1, 0)])
-        items = wait_until(lambda: syncer.receive(0.1), 10, what="the delta over TLS")
-        assert [i.message.seq for i in items] == [1]
-        syncer.ack(items)
+        assert [d.seq for d in exchange(syncer, [learner], [make_delta("learner-0", 1, 0)])] == [1]
         syncer.publish(make_global(0, 1))
         got = wait_until(lambda: take_globals(learner, 0.1), 10, what="the global over TLS")
         assert [(g.version, bool(g.signature)) for g in got] == [(1, True)]
@@ -118,8 +158,7 @@ def test_the_servers_certificate_rotates_while_a_learner_runs(
         url, RUN, "learner-0", 1, num_fragments=1, keys=RunKeys.load(keys_dir, "learner")
     )
     try:
-        send_all(learner, [make_delta("learner-0", 1, 0)])
-        syncer.ack(wait_until(lambda: syncer.receive(0.1), 10, what="first delta"))
+        exchange(syncer, [learner], [make_delta("learner-0", 1, 0)])
         before = served_serial(tls_server, keys_dir)
         # `ddiloco keys rotate-tls`, then Redis told to read the files again.
         issue_redis_cert(keys_dir)
@@ -127,25 +166,190 @@ def test_the_servers_certificate_rotates_while_a_learner_runs(
         after = served_serial(tls_server, keys_dir)
         assert after != before
         # The open connections go on; a new learner connects with the new certificate.
-        send_all(learner, [make_delta("learner-0", 2, 0)])
         newcomer = RedisLearnerTransport(
             url, RUN, "learner-1", 1, num_fragments=1, keys=RunKeys.load(keys_dir, "learner")
         )
         try:
-            send_all(newcomer, [make_delta("learner-1", 1, 0)])
+            late = [make_delta("learner-0", 2, 0), make_delta("learner-1", 1, 0)]
+            got = exchange(syncer, [learner, newcomer], late)
+            assert {(d.learner_id, d.seq) for d in got} == {("learner-0", 2), ("learner-1", 1)}
         finally:
             newcomer.close()
-        seen: set[tuple[str, int]] = set()
-
-        def both() -> bool:
-            items = syncer.receive(0.1)
-            syncer.ack(items)
-            seen.update(
-                (d.learner_id, d.seq) for d in (i.message for i in items) if isinstance(d, Delta)
-            )
-            return {("learner-0", 2), ("learner-1", 1)} <= seen
-
-        wait_until(both, 10, what="deltas after the rotation")
     finally:
         learner.close()
+        syncer.close()
+
+
+# -- ACL users: who may read and write what ----------------------------------------
+@pytest.fixture
+def acl_server(tmp_path: Path, keys_dir: Path) -> Iterator[RedisServer]:
+    """A Redis started with the run's users (``--aclfile keys/redis.acl``)."""
+    server = RedisServer(tmp_path / "redis", keys=keys_dir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def as_member(server: RedisServer, identity: Identity) -> redis.Redis:
+    """A raw client logged in as the member ``identity`` is (what a learner
+    holding its own key file could do with redis-cli)."""
+    password = member_password(identity.secret)
+    return redis.Redis(
+        port=server.port, username=member_user(RUN, password_digest(password)),
+        password=password, socket_timeout=5,
+    )  # fmt: skip
+
+
+def refused(action: Callable[[], object]) -> str:
+    """The class of the error ``action`` fails with ("" if it succeeds)."""
+    try:
+        action()
+    except redis.RedisError as e:
+        return type(e).__name__
+    return ""
+
+
+@pytest.mark.timeout(60)
+def test_an_outsider_gets_nothing_and_a_join_holder_may_only_ask(
+    acl_server: RedisServer, keys_dir: Path
+) -> None:
+    """Attacks of the issue: reading the weights (GET), writing deltas, globals,
+    the roster or a lease, with no credentials or with the join secret only."""
+    outsider = redis.Redis(port=acl_server.port, socket_timeout=5)
+    for action in (
+        lambda: outsider.get(model_key(RUN, 0)),
+        lambda: outsider.xadd(delta_stream_key(RUN, 0, "learner-0"), {"m": b"x"}),
+        lambda: outsider.xadd(requests_key(RUN), {"m": b"x"}),
+        lambda: outsider.hset(roster_key(RUN), "squatter", "0" * 64),
+    ):
+        assert refused(action) == "AuthenticationError"
+    keys = RunKeys.load(keys_dir, "learner")
+    joiner = redis.Redis(
+        port=acl_server.port, username=JOIN_USER, password=join_password(keys.join_secret)
+    )
+    assert refused(lambda: joiner.xadd(requests_key(RUN), {"m": b"x"})) == ""
+    for action in (
+        lambda: joiner.get(model_key(RUN, 0)),
+        lambda: joiner.xrange(requests_key(RUN)),  # others' enrollments
+        lambda: joiner.xadd(delta_stream_key(RUN, 0, "learner-0"), {"m": b"x"}),
+        lambda: joiner.xadd(globals_stream_key(RUN), {"m": b"x"}),
+        lambda: joiner.hset(roster_key(RUN), "squatter", "0" * 64),
+        lambda: joiner.eval("return 1", 0),
+    ):
+        assert refused(action) == "NoPermissionError"
+
+
+@pytest.mark.timeout(60)
+def test_an_enrolled_learner_writes_only_its_own_keys(
+    acl_server: RedisServer, keys_dir: Path
+) -> None:
+    url = acl_server.url
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer"))
+    ids = {name: Identity.new() for name in ("learner-0", "learner-1")}
+    learners = [
+        RedisLearnerTransport(
+            url, RUN, name, 1, 1, keys=RunKeys.load(keys_dir, "learner"), identity=identity
+        )  # fmt: skip
+        for name, identity in ids.items()
+    ]
+    try:
+        exchange(syncer, learners, [make_delta(t.learner_id, 1, 0) for t in learners])
+        one = as_member(acl_server, ids["learner-1"])
+        # Its own stream and heartbeat: yes.
+        assert refused(lambda: one.xadd(delta_stream_key(RUN, 0, "learner-1"), {"m": b"x"})) == ""
+        assert refused(lambda: one.get(model_key(RUN, 0))) == ""
+        # Anything of another learner's, the syncers', or the run's: no.
+        for action in (
+            lambda: one.xadd(delta_stream_key(RUN, 0, "learner-0"), {"m": b"x"}),
+            lambda: one.set(heartbeat_key(RUN, "learner-0"), b"x"),
+            lambda: one.xadd(notices_key(RUN, "learner-1"), {"m": b"forged refusal"}),
+            lambda: one.xread({notices_key(RUN, "learner-0"): "0"}),
+            lambda: one.set(model_key(RUN, 0), b"x"),
+            lambda: one.xadd(globals_stream_key(RUN), {"m": b"x"}),
+            lambda: one.hset(roster_key(RUN), "learner-9", "0" * 64),
+            lambda: one.set(grant_key(RUN, "0" * 64), b"1 0"),
+            lambda: one.eval("while true do end", 0),  # a script that would stall Redis
+            lambda: one.script_load("return 1"),
+            lambda: one.acl_setuser("me", enabled=True),
+            lambda: one.config_set("appendonly", "no"),
+            lambda: one.flushall(),
+        ):
+            assert refused(action) == "NoPermissionError", action
+    finally:
+        for t in learners:
+            t.close()
+        syncer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_join_holder_cannot_take_an_enrolled_learners_id_and_revocation_shuts_it_out(
+    acl_server: RedisServer, keys_dir: Path
+) -> None:
+    url = acl_server.url
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer"))
+    identity = Identity.new()
+    real = RedisLearnerTransport(url, RUN, "learner-0", 1, 1, identity=identity,
+                                 keys=RunKeys.load(keys_dir, "learner"))  # fmt: skip
+    impostor = RedisLearnerTransport(url, RUN, "learner-0", 2, 1, identity=Identity.new(),
+                                     keys=RunKeys.load(keys_dir, "learner"))  # fmt: skip
+    try:
+        real.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0", step=1))
+        exchange(syncer, [real], [make_delta("learner-0", 1, 0)])
+        # The impostor, holding the join secret, enrolls under learner-0: refused
+        # (identity_taken), so Redis refuses its writes; the real one goes on.
+        impostor.send_delta(make_delta("learner-0", 7, 0))
+        got: list[Delta] = []
+
+        def refused_and_going_on() -> bool:
+            impostor.poll(0.01)
+            real.poll(0.01)
+            items = syncer.receive(0.05)
+            syncer.ack(items)
+            got.extend(i.message for i in items if isinstance(i.message, Delta))
+            return syncer.stats.rejected["identity_taken"] >= 1
+
+        wait_until(refused_and_going_on, 20, interval_s=0, what="the impostor refused")
+        got += exchange(syncer, [real], [make_delta("learner-0", 2, 0)])
+        assert {d.seq for d in got} == {2} and impostor.unacked == 1
+        # Revoked: its user is gone within a second or two, its connection cut.
+        revoke(keys_dir, "learner-0")
+        mine = as_member(acl_server, identity)
+
+        def shut_out() -> bool:
+            syncer.receive(0.05)
+            return refused(mine.ping) == "AuthenticationError"
+
+        wait_until(shut_out, 10, interval_s=0, what="the revoked learner's user to go")
+        assert "learner-0" not in syncer._learners.read()
+    finally:
+        impostor.close()
+        real.close()
+        syncer.close()
+
+
+@pytest.mark.timeout(60)
+def test_requests_larger_than_the_bound_never_leave_redis(
+    acl_server: RedisServer, keys_dir: Path
+) -> None:
+    """Attack: a join holder writes huge entries into the requests stream. The
+    syncer drops them inside Redis (TAKE_BOUNDED) and counts them."""
+    keys = RunKeys.load(keys_dir, "learner")
+    joiner = redis.Redis(
+        port=acl_server.port, username=JOIN_USER, password=join_password(keys.join_secret)
+    )
+    for _ in range(3):
+        joiner.xadd(requests_key(RUN), {"m": b"x" * (8 * 2**20)})
+    syncer = RedisSyncerTransport(
+        acl_server.url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer")
+    )
+    try:
+        wait_until(
+            lambda: (syncer.receive(0.05), syncer.stats.rejected["too_large"])[1] == 3, 10,
+            what="the oversized requests dropped",
+        )  # fmt: skip
+        assert syncer.stats.bytes_received < 2**20  # none of them was read
+        assert acl_server.client().xlen(requests_key(RUN)) == 0
+    finally:
         syncer.close()

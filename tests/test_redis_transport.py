@@ -34,7 +34,8 @@ from broker.redis_common import (
     check_entry,
     delta_stream_key,
     globals_stream_key,
-    learners_key,
+    heartbeat_key,
+    roster_key,
 )
 from broker.redis_learner import RedisLearnerTransport
 from broker.redis_syncer import RedisSyncerTransport
@@ -148,8 +149,14 @@ def applied(db: Path) -> tuple[int, int]:
         con.close()
 
 
+def delta_streams(client: redis.Redis, fragments: range) -> list[str]:
+    """Every learner's delta stream of ``fragments``."""
+    keys = [k.decode() for k in client.scan_iter(match=f"ddiloco:{RUN}:deltas:*")]
+    return [k for k in keys if int(k.split(":")[3]) in fragments]
+
+
 def pending_total(client: redis.Redis, fragments: range) -> int:
-    return sum(int(client.xpending(delta_stream_key(RUN, p), GROUP)["pending"]) for p in fragments)
+    return sum(int(client.xpending(s, GROUP)["pending"]) for s in delta_streams(client, fragments))
 
 
 class ConsumerProcess:
@@ -324,11 +331,6 @@ def test_redis_sigkilled_mid_stream_loses_nothing_acknowledged(
     counts = {"learner-0": total // 2, "learner-1": total // 2}
     with consumer_process(redis_server.url, tmp_path) as (_, db):
         client = redis.Redis.from_url(redis_server.url)
-        wait_until(
-            lambda: all(client.exists(delta_stream_key(RUN, p)) for p in range(4)),
-            30,
-            what="the consumer to create its group",
-        )
         pool, futures = run_learners(redis_server.url, counts, num_fragments=4, pace_s=0.002)
         with pool:
             wait_until(
@@ -396,8 +398,8 @@ def test_second_consumer_claims_pending_entries_of_a_dead_one(redis_server: Redi
     dead.close()
     client = redis.Redis.from_url(url)
     pending: Counter[bytes] = Counter()
-    for p in range(2):
-        for c in client.xpending(delta_stream_key(RUN, p), GROUP)["consumers"]:
+    for stream in delta_streams(client, range(2)):
+        for c in client.xpending(stream, GROUP)["consumers"]:
             pending[c["name"]] += c["pending"]
     assert pending == {b"syncer-dead": len(held) - 40}
 
@@ -475,7 +477,8 @@ def test_syncer_recreates_its_group_when_the_streams_vanish(redis_server: RedisS
     syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0])
     send_all(learner, [make_delta("learner-0", 0, 0)])
     syncer.ack(receive_until(syncer, 1))
-    redis.Redis.from_url(url).delete(delta_stream_key(RUN, 0))  # as if redis lost its data
+    # As if redis lost its data:
+    redis.Redis.from_url(url).delete(delta_stream_key(RUN, 0, "learner-0"))
     assert syncer.receive(0.3) == []
     send_all(learner, [make_delta("learner-0", 1, 0)])
     assert [seq_of(i) for i in receive_until(syncer, 1)] == [1]
@@ -627,7 +630,7 @@ def test_syncer_rejects_counts_and_acks_bad_entries_and_keeps_going(
 ) -> None:
     url = redis_server.url
     client = redis.Redis.from_url(url)
-    stream = delta_stream_key(RUN, 0)
+    stream = delta_stream_key(RUN, 0, "learner-0")
     limit = 16 * 1024
     # The group exists before anything is written, as it does in a running system.
     dead = RedisSyncerTransport(
@@ -642,6 +645,7 @@ def test_syncer_rejects_counts_and_acks_bad_entries_and_keeps_going(
         ("too_large", encode(make_delta("learner-0", 99, 0, numel=8192))),  # 32 KiB payload
         ("wrong_kind", encode(Heartbeat(run_id=RUN, learner_id="learner-0"))),
         ("wrong_fragment", encode(make_delta("learner-0", 98, 1))),
+        ("wrong_learner", encode(make_delta("learner-9", 96, 0))),  # not the stream's
         ("wrong_run", encode(make_delta("learner-0", 97, 0, run="other"))),
         ("bad_checksum", bytes(bad_checksum)),
     ]
@@ -655,10 +659,11 @@ def test_syncer_rejects_counts_and_acks_bad_entries_and_keeps_going(
     client.xadd(stream, {FIELD: encode(make_delta("learner-0", 2, 0))})
     doomed_frame = encode(make_delta("learner-0", 3, 0))
     doomed_id = cast(bytes, client.xadd(stream, {FIELD: doomed_frame})).decode()
-    # ... and a heartbeat hash with one good and one garbage value.
+    # ... and two heartbeats: a good one, and garbage from another listed learner.
     beating = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=2)
     beating.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0", step=1))
-    client.hset(learners_key(RUN), "intruder", b"garbage garbage garbage garbage")
+    client.hset(roster_key(RUN), "intruder", "0" * 64)
+    client.set(heartbeat_key(RUN, "intruder"), b"garbage garbage garbage garbage")
 
     taken = receive_until(dead, 4)
     assert sorted(seq_of(i) for i in taken) == [0, 1, 2, 3]
@@ -752,23 +757,27 @@ def test_delta_streams_stay_bounded_and_trimming_keeps_unacked_entries(
     syncer.ack([i for i in got if i.token not in held_tokens])
 
     def ids(p: int) -> list[bytes]:
-        return stream_ids(client, delta_stream_key(RUN, p))
+        return stream_ids(client, delta_stream_key(RUN, p, "learner-0"))
 
     def expected_len(p: int) -> int:
-        oldest_held = min(t[1] for t in held_tokens if t[0] == delta_stream_key(RUN, p))
+        oldest_held = min(
+            t[1] for t in held_tokens if t[0] == delta_stream_key(RUN, p, "learner-0")
+        )
         return sum(1 for i in ids(p) if _id(i) >= _id(oldest_held))
 
     def trimmed_to_oldest_held() -> bool:
         syncer.ack([])  # trimming runs at most every second per stream
-        return all(client.xlen(delta_stream_key(RUN, p)) == expected_len(p) for p in (0, 1))
+        return all(
+            client.xlen(delta_stream_key(RUN, p, "learner-0")) == expected_len(p) for p in (0, 1)
+        )
 
     wait_until(trimmed_to_oldest_held, 10, what="trim to the oldest unacked entry")
-    assert all(client.xlen(delta_stream_key(RUN, p)) == 200 for p in (0, 1))  # of 250
-    present = {(delta_stream_key(RUN, p), i.decode()) for p in (0, 1) for i in ids(p)}
+    assert all(client.xlen(delta_stream_key(RUN, p, "learner-0")) == 200 for p in (0, 1))  # of 250
+    present = {(delta_stream_key(RUN, p, "learner-0"), i.decode()) for p in (0, 1) for i in ids(p)}
     assert held_tokens <= present, "trimming removed an unacked entry"
     present_seqs = set()
     for p in (0, 1):
-        for _, fields in cast(list, client.xrange(delta_stream_key(RUN, p))):
+        for _, fields in cast(list, client.xrange(delta_stream_key(RUN, p, "learner-0"))):
             present_seqs.add(cast(Delta, decode_parts(*(fields[f] for f in PART_FIELDS))).seq)
     assert set(range(400, 500)) <= present_seqs, "trimming removed an unread entry"
 
@@ -779,7 +788,7 @@ def test_delta_streams_stay_bounded_and_trimming_keeps_unacked_entries(
 
     def empty() -> bool:
         syncer.ack([])
-        return all(client.xlen(delta_stream_key(RUN, p)) == 0 for p in (0, 1))
+        return all(client.xlen(delta_stream_key(RUN, p, "learner-0")) == 0 for p in (0, 1))
 
     wait_until(empty, 10, what="every acked entry trimmed")
     learner.close()

@@ -32,6 +32,7 @@ import torch
 from broker.codecs import Codec
 from broker.connect import connect_learner
 from broker.keys import RunKeys
+from broker.redis_access import SYNCER_USER
 from broker.settings import RunSettings
 from broker.transport import LearnerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat, weights_checksum
@@ -390,12 +391,15 @@ def test_syncer_learner_and_redis_each_frozen_30s_the_run_goes_on_and_loses_noth
             proc.wait(timeout=120)
         # The learners are done: merge what waits for them, then stop the syncer.
         syncer.proc.send_signal(signal.SIGUSR1)
-        client = redis.Redis.from_url(redis_server.url)
+        client = redis.Redis.from_url(
+            redis_server.url,
+            username=SYNCER_USER,
+            password=RunKeys.load(run_keys(), "syncer").redis_password,
+        )
 
         def all_acked() -> bool:
             """Every delta in the streams delivered to the syncer and acked by it."""
-            for p in range(FRAGMENTS):
-                key = f"ddiloco:faults:deltas:{p}"
+            for key in client.scan_iter(match="ddiloco:faults:deltas:*"):
                 last = client.xinfo_stream(key)["last-generated-id"]
                 for group in client.xinfo_groups(key):
                     if group["pending"] or group["last-delivered-id"] != last:

@@ -1,0 +1,137 @@
+"""Redis ACL users of a run (docs/security.md): who may read and write which keys.
+
+With the run's keys Redis runs with ``default`` off and these users::
+
+    ddiloco-syncer          every key and command (password: ``redis.syncer``,
+                            syncers only)
+    ddiloco-join            XADD to a run's requests stream, nothing else
+                            (password derived from ``join.secret``)
+    ddiloco:{run}:k:{key}   one per enrolled key, made by the admitting syncer:
+                            reads the globals, the snapshot keys and its grant;
+                            a learner also writes the delta streams, trimmed
+                            counters and heartbeat of the learner ids bound to
+                            its key, and reads their notices
+
+``ddiloco keys`` writes the first three into ``redis.acl``, the file Redis
+loads (``--aclfile``). A learner's password is derived from its own identity
+(:class:`broker.keys.Identity`), and its key is the password's SHA-256: the
+digest Redis keeps (``#digest``) is all the syncer learns, so nobody but the
+learner can authenticate as it. Commands are listed one by one: a member can
+run only the scripts a syncer loaded (EVALSHA, never EVAL or SCRIPT LOAD), so
+it cannot stall the server with a script of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+
+import redis
+
+from broker.keys import RunKeys
+from broker.redis_common import (
+    connect,
+    delta_stream_key,
+    globals_stream_key,
+    grant_key,
+    heartbeat_key,
+    model_key,
+    notices_key,
+    requests_key,
+    trimmed_key,
+    weightless_key,
+)
+
+log = logging.getLogger(__name__)
+
+SYNCER_USER = "ddiloco-syncer"
+JOIN_USER = "ddiloco-join"
+_JOIN_DOMAIN = b"ddiloco redis join v1\0"
+_MEMBER_DOMAIN = b"ddiloco redis member v1\0"
+# Commands of every member (redis-py's connection set-up, reads of the globals
+# and snapshot keys, the read-only scripts) and, for learners, of its writes
+# (the bounded XADD script and what it calls, its heartbeat).
+_READER_COMMANDS = (
+    "+ping", "+auth", "+hello", "+client|setname",
+    "+get", "+mget", "+xread", "+evalsha_ro", "+xrange", "+xrevrange", "+hmget",
+)  # fmt: skip
+_LEARNER_COMMANDS = (
+    "+evalsha", "+xadd", "+xlen", "+xtrim", "+xinfo|groups", "+xpending", "+incrby", "+set",
+)  # fmt: skip
+
+
+def join_password(join_secret: bytes) -> str:
+    """The ``ddiloco-join`` user's password: every holder of the join secret has it."""
+    return hmac.new(join_secret, _JOIN_DOMAIN, hashlib.sha256).hexdigest()
+
+
+def member_password(identity_secret: bytes) -> str:
+    """A member's password, from its own identity's secret key."""
+    return hmac.new(identity_secret, _MEMBER_DOMAIN, hashlib.sha256).hexdigest()
+
+
+def password_digest(password: str) -> str:
+    """SHA-256 of a password, hex: what Redis keeps of it, and a member's key."""
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def member_user(run_id: str, key: str) -> str:
+    return f"ddiloco:{run_id}:k:{key[:32]}"
+
+
+def acl_file(syncer_password: str, join_secret: bytes) -> list[str]:
+    """The lines of ``redis.acl``: the users Redis starts with (members are added
+    by syncers)."""
+    join_rules = "resetchannels -@all +ping +auth +hello +xadd"
+    return [
+        "user default off resetchannels -@all",
+        f"user {SYNCER_USER} on #{password_digest(syncer_password)} ~* &* +@all",
+        f"user {JOIN_USER} on #{password_digest(join_password(join_secret))} "
+        f"{join_rules} %W~{requests_key('*')}",
+    ]
+
+
+def member_rules(
+    run_id: str, key: str, role: str, learner_ids: set[str], num_fragments: int
+) -> list[str]:
+    """ACL SETUSER rules of the member ``key`` (its password's digest) in ``role``,
+    holding ``learner_ids``: every key named, none by a pattern that another
+    learner's keys could match."""
+    rules = ["reset", "on", f"#{key}", "resetchannels", "-@all", *_READER_COMMANDS]
+    rules += [f"%R~{globals_stream_key(run_id)}", f"%R~{grant_key(run_id, key)}"]
+    rules += [f"%R~{model_key(run_id, p)}" for p in range(num_fragments)]
+    rules += [f"%R~{weightless_key(run_id, p)}" for p in range(num_fragments)]
+    if role != "learner":
+        return rules
+    rules += _LEARNER_COMMANDS
+    for learner in sorted(learner_ids):
+        rules += [f"%R~{notices_key(run_id, learner)}", f"~{heartbeat_key(run_id, learner)}"]
+        rules += [f"~{delta_stream_key(run_id, p, learner)}" for p in range(num_fragments)]
+        rules += [f"~{trimmed_key(run_id, p, learner)}" for p in range(num_fragments)]
+    return rules
+
+
+def lock_down_if_open(url: str, socket_timeout_s: float, keys: RunKeys) -> bool:
+    """If the server at ``url`` takes anyone (its default user on, without a
+    password: a plain ``redis-server``), give it the run's users and turn the
+    default user off; whether it did. A server started with ``--aclfile
+    KEYS/redis.acl`` is never open, and keeps its users across restarts."""
+    assert keys.redis_password is not None, "a syncer's keys"
+    client = connect(url, socket_timeout_s)
+    try:
+        client.ping()
+        users = [line.split()[1:] for line in acl_file(keys.redis_password, keys.join_secret)]
+        default = [u for u in users if u[0] == "default"]
+        for name, *rules in [u for u in users if u[0] != "default"] + default:
+            client.execute_command("ACL", "SETUSER", name, "reset", *rules)
+    except (redis.AuthenticationError, redis.ResponseError, redis.ConnectionError):
+        return False  # not open (or not up: the syncer's own connection retries)
+    finally:
+        client.close()
+    log.warning(
+        "redis at %s took anyone: it has the run's users now, and its default user is "
+        "off; start it with --aclfile %s to keep them across its restarts",
+        url.split("@")[-1], keys.folder / "redis.acl",
+    )  # fmt: skip
+    return True
