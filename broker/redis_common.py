@@ -175,6 +175,63 @@ end
 return {dropped, taken}
 """
 
+# XREADGROUP GROUP ARGV[1] ARGV[2] COUNT ARGV[3] STREAMS KEYS ARGV[5..] (no
+# BLOCK), where every entry whose values hold more than ARGV[4] bytes in all is
+# acked and deleted here, counted, and never returned: no entry larger than the
+# bound leaves the server. Returns {dropped, {{stream, kept entries, the last id
+# read (dropped or not)}, ...}}.
+READ_BOUNDED = """
+local group, consumer, limit = ARGV[1], ARGV[2], tonumber(ARGV[4])
+local args = {'XREADGROUP', 'GROUP', group, consumer, 'COUNT', ARGV[3], 'STREAMS'}
+for i = 1, #KEYS do args[#args + 1] = KEYS[i] end
+for i = 5, #ARGV do args[#args + 1] = ARGV[i] end
+local reply = redis.call(unpack(args))
+local dropped, out = 0, {}
+if not reply then return {0, out} end
+for _, stream in ipairs(reply) do
+    local kept, last = {}, false
+    for _, entry in ipairs(stream[2]) do
+        last = entry[1]
+        local size = 0
+        if entry[2] then
+            for i = 2, #entry[2], 2 do size = size + #entry[2][i] end
+        end
+        if size > limit then
+            redis.call('XACK', stream[1], group, entry[1])
+            redis.call('XDEL', stream[1], entry[1])
+            dropped = dropped + 1
+        else
+            kept[#kept + 1] = entry
+        end
+    end
+    out[#out + 1] = {stream[1], kept, last}
+end
+return {dropped, out}
+"""
+
+# XAUTOCLAIM KEYS[1] ARGV[1] ARGV[2] ARGV[4] ARGV[5] COUNT ARGV[3] (group,
+# consumer, count, min idle ms, start), with READ_BOUNDED's bound ARGV[6].
+# Returns {dropped, next cursor, claimed entries, ids deleted while pending}.
+CLAIM_BOUNDED = """
+local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[4], ARGV[5],
+                         'COUNT', ARGV[3])
+local limit, dropped, kept = tonumber(ARGV[6]), 0, {}
+for _, entry in ipairs(reply[2]) do
+    local size = 0
+    if entry[2] then
+        for i = 2, #entry[2], 2 do size = size + #entry[2][i] end
+    end
+    if size > limit then
+        redis.call('XACK', KEYS[1], ARGV[1], entry[1])
+        redis.call('XDEL', KEYS[1], entry[1])
+        dropped = dropped + 1
+    else
+        kept[#kept + 1] = entry
+    end
+end
+return {dropped, reply[1], kept, reply[3] or {}}
+"""
+
 # XADD the field-value pairs ARGV[3..] to delta stream KEYS[1], keeping it at
 # most ARGV[1] entries long. Entries group ARGV[2] is done with (delivered and
 # acked) go first; if that is not enough, the oldest others are dropped and

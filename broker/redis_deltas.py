@@ -15,6 +15,7 @@ transport (:mod:`broker.redis_syncer`) retries.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -22,12 +23,13 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
-from redis.typing import KeyT, StreamIdT
 
 from broker.redis_common import (
     BOUNDED_XADD,
+    CLAIM_BOUNDED,
     GROUP,
     PART_FIELDS,
+    READ_BOUNDED,
     Entries,
     RedisLink,
     check_entry,
@@ -35,8 +37,6 @@ from broker.redis_common import (
     encode_parts_bounded,
     is_transient,
     parse_id,
-    read_block_ms,
-    sleep_tail,
     to_str,
     trimmed_key,
 )
@@ -46,6 +46,8 @@ from broker.wire import Delta
 log = logging.getLogger(__name__)
 
 _DELTAS_READ_COUNT = 64  # per stream and call
+_EVENTS = "notify-keyspace-events"
+_BELL_FALLBACK_S = 0.02
 _TRIM_INTERVAL_S = 1.0
 
 Token = tuple[str, str]  # (stream, entry id): what a delta's Inbound carries to ack it
@@ -151,6 +153,68 @@ class DeltaQueue:
         return [v for pair in zip(PART_FIELDS, parts, strict=True) for v in pair]
 
 
+def _entries(raw: list[Any]) -> Entries:
+    """Stream entries as a script returns them ([id, [field, value, ...]], the
+    fields nil for an entry deleted while pending) as redis-py's reads do."""
+    out: Entries = []
+    for entry_id, fields in raw:
+        flat = fields or []
+        out.append((entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
+    return out
+
+
+class DeltaBell:
+    """Wakes a syncer waiting for deltas: Redis's keyspace notification of an
+    XADD to one of the run's delta streams carries the key's name only, never
+    the entry, so waiting reads nothing a learner wrote. Without them (a Redis
+    whose CONFIG is denied) the syncer looks again every ``_BELL_FALLBACK_S``."""
+
+    def __init__(self, client: redis.Redis, run_id: str) -> None:
+        self._client = client
+        db = client.connection_pool.connection_kwargs.get("db", 0)
+        self._pattern = f"__keyspace@{db}__:ddiloco:{run_id}:deltas:*"
+        self._pubsub: Any = None
+        self._unavailable = False
+
+    def _subscribe(self) -> None:
+        try:
+            # redis-py decodes CONFIG GET replies to text whatever decode_responses says.
+            flags = str(cast(dict[str, str], self._client.config_get(_EVENTS)).get(_EVENTS, ""))
+            wanted = "".join(sorted(set(flags) | ({"K"} if "A" in flags else {"K", "t"})))
+            if wanted != "".join(sorted(flags)):
+                self._client.config_set(_EVENTS, wanted)
+        except redis.ResponseError as e:  # CONFIG denied or renamed: poll instead
+            log.warning("no keyspace notifications (%s): polling for deltas", e)
+            self._unavailable = True
+            return
+        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        pubsub.psubscribe(self._pattern)
+        self._pubsub = pubsub
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for an XADD to a delta stream (or, without
+        notifications, a short while); whether to read again."""
+        if self._pubsub is None and not self._unavailable:
+            self._subscribe()
+        if self._pubsub is None:
+            time.sleep(min(timeout_s, _BELL_FALLBACK_S))
+            return True
+        try:
+            rang = self._pubsub.get_message(timeout=timeout_s) is not None
+            while self._pubsub.get_message(timeout=0) is not None:
+                pass  # one read takes what all of them announced
+        except Exception:
+            self.close()  # subscribed again with the next wait
+            raise
+        return rang
+
+    def close(self) -> None:
+        if self._pubsub is not None:
+            pubsub, self._pubsub = self._pubsub, None
+            with contextlib.suppress(redis.RedisError):
+                pubsub.close()
+
+
 class DeltaReader:
     """Consumer ``consumer`` of ``group`` on the delta streams of ``fragments``
     of each learner it follows; hands each entry out once until it is acked."""
@@ -191,6 +255,9 @@ class DeltaReader:
         # Rejected entries to XACK with the next receive() or ack().
         self._rejected_unacked: set[Token] = set()
         self._claim_interval_s = min(max(claim_idle_s / 2, 0.1), 5.0)
+        self._read_script = client.register_script(READ_BOUNDED)
+        self._claim_script = client.register_script(CLAIM_BOUNDED)
+        self._bell = DeltaBell(client, run_id)
         self._claim_cursor: dict[str, str] = {}
         self._next_claim_at = 0.0
 
@@ -238,27 +305,17 @@ class DeltaReader:
         self._outstanding |= self._handing_out
 
     def read_new(self, deadline: float, max_block_s: float) -> list[Inbound]:
-        """Entries never delivered to the group, waiting up to ``deadline``."""
-        block_ms = read_block_ms(deadline, max_block_s)
+        """Entries never delivered to the group, waiting up to ``deadline`` (for
+        the bell: an XADD to a delta stream) when there are none yet."""
         if not self.streams:  # nobody to read yet: wait as a read would
             time.sleep(min(max(0.0, deadline - time.monotonic()), max_block_s))
             return []
-        streams: dict[KeyT, StreamIdT] = dict.fromkeys(self.streams, ">")
-        reply = cast(
-            list[tuple[bytes, Entries]],
-            self._client.xreadgroup(
-                self._group,
-                self._consumer,
-                streams,
-                count=_DELTAS_READ_COUNT,
-                block=block_ms,
-            ),
-        )
-        items: list[Inbound] = []
-        for stream, entries in reply or []:
-            items += self._accept(to_str(stream), entries)
-        if not reply and block_ms is None:
-            sleep_tail(deadline)
+        items = self._read_bounded(dict.fromkeys(self.streams, ">"))[1]
+        wait_s = min(deadline - time.monotonic(), max_block_s)
+        if items or wait_s <= 0:
+            return items
+        if self._bell.wait(wait_s):
+            items = self._read_bounded(dict.fromkeys(self.streams, ">"))[1]
         return items
 
     def read_own_pending(self) -> list[Inbound]:
@@ -267,30 +324,46 @@ class DeltaReader:
         todo = {s: after for s, after in self._pending_after.items() if after is not None}
         if not todo:
             return []
-        streams: dict[KeyT, StreamIdT] = {s: after for s, after in todo.items()}
-        reply = cast(
-            list[tuple[bytes, Entries]],
-            self._client.xreadgroup(
-                self._group,
-                self._consumer,
-                streams,
-                count=_DELTAS_READ_COUNT,
-            ),
-        )
-        items: list[Inbound] = []
-        replied = {to_str(stream): entries for stream, entries in reply or []}
+        last_read, items = self._read_bounded(todo)
         for stream in todo:
-            entries = replied.get(stream, [])
-            if not entries:
-                self._pending_after[stream] = None
-                continue
-            self._pending_after[stream] = to_str(entries[-1][0])
-            items += self._accept(stream, entries)
+            self._pending_after[stream] = last_read.get(stream)  # None: none left
         return items
+
+    def _read_bounded(self, streams: dict[str, str]) -> tuple[dict[str, str], list[Inbound]]:
+        """XREADGROUP from ``streams`` (stream -> the id to read after, or ">"),
+        no entry larger than ``max_message_bytes`` leaving Redis (READ_BOUNDED
+        acks, deletes and counts those): the last id read per stream that had
+        entries, and the deltas among them."""
+        reply = cast(
+            list[Any],
+            self._read_script(
+                keys=list(streams),
+                args=[self._group, self._consumer, _DELTAS_READ_COUNT, self._max_message_bytes,
+                      *streams.values()],
+            ),
+        )  # fmt: skip
+        self._count_dropped(int(reply[0]))
+        last_read: dict[str, str] = {}
+        items: list[Inbound] = []
+        for raw_stream, raw_entries, last in reply[1]:
+            stream = to_str(raw_stream)
+            if last:
+                last_read[stream] = to_str(last)
+            items += self._accept(stream, _entries(raw_entries))
+        return last_read, items
+
+    def _count_dropped(self, dropped: int) -> None:
+        if dropped:
+            self._stats.rejected["too_large"] += dropped
+            log.warning(
+                "syncer %s: dropped %d delta entries larger than %d bytes unread",
+                self._consumer, dropped, self._max_message_bytes,
+            )  # fmt: skip
 
     def claim_abandoned(self) -> list[Inbound]:
         """XAUTOCLAIM entries idle for ``claim_idle_s`` (left by dead consumers),
-        one page per stream and call until every stream's scan is complete."""
+        one page per stream and call until every stream's scan is complete; no
+        entry larger than the bound leaves Redis (CLAIM_BOUNDED)."""
         if time.monotonic() < self._next_claim_at:
             return []
         items: list[Inbound] = []
@@ -300,27 +373,18 @@ class DeltaReader:
                 continue
             reply = cast(
                 list[Any],
-                self._client.xautoclaim(
-                    stream,
-                    self._group,
-                    self._consumer,
-                    int(self._claim_idle_s * 1000),
-                    start_id=cursor,
-                    count=_DELTAS_READ_COUNT,
+                self._claim_script(
+                    keys=[stream],
+                    args=[self._group, self._consumer, _DELTAS_READ_COUNT,
+                          int(self._claim_idle_s * 1000), cursor, self._max_message_bytes],
                 ),
-            )
-            next_cursor, entries = to_str(reply[0]), reply[1]
-            deleted = reply[2] if len(reply) > 2 else []  # redis >= 7 drops them from the PEL
-            self._stats.rejected["trimmed"] += len(deleted)
-            if any(entry_id is None for entry_id, _ in entries):
-                # redis < 7 claims an entry that was trimmed while pending but
-                # returns it as nil, without its id: our own PEL re-read finds it.
-                self._pending_after[stream] = "0-0"
+            )  # fmt: skip
+            self._count_dropped(int(reply[0]))
+            next_cursor, entries, deleted = to_str(reply[1]), _entries(reply[2]), reply[3]
+            self._stats.rejected["trimmed"] += len(deleted)  # dropped from the PEL by redis
             # Our own entries that the caller still holds come back too once idle
             # for claim_idle_s; they are not handed out again.
-            claimed = [
-                (i, f) for i, f in entries if i is not None and not self._held((stream, to_str(i)))
-            ]
+            claimed = [(i, f) for i, f in entries if not self._held((stream, to_str(i)))]
             if claimed:
                 log.info(
                     "syncer %s: claimed %d abandoned entries of %s",
@@ -373,6 +437,9 @@ class DeltaReader:
                 self._stats.rejected[reason] += 1
             self._rejected_unacked.add(token)  # it can never become valid: ack it
         return items
+
+    def close(self) -> None:
+        self._bell.close()
 
     def settled(self, tokens: list[Token]) -> None:
         """The caller is done with ``tokens`` (acked or refused them)."""

@@ -262,6 +262,7 @@ class RedisSyncerTransport(SyncerTransport):
 
     def close(self) -> None:
         self._publisher.close()
+        self._deltas.close()
         self._link.close()
 
 

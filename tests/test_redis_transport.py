@@ -720,6 +720,37 @@ def test_syncer_rejects_counts_and_acks_bad_entries_and_keeps_going(
     restarted.close()
 
 
+@pytest.mark.timeout(60)
+def test_delta_entries_larger_than_the_bound_never_leave_redis(
+    redis_server: RedisServer,
+) -> None:
+    """Attack: a learner XADDs 32 MB entries into its own delta stream (Redis
+    bounds no key). The syncer, whose bound is 64 kB, acks, deletes and counts
+    them inside Redis: Redis sends it next to nothing of them."""
+    url = redis_server.url
+    client = redis.Redis.from_url(url)
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], max_message_bytes=64 * 1024)
+    learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=1)
+    try:
+        learner.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0"))
+        send_all(learner, [make_delta("learner-0", 1, 0)])
+        assert [seq_of(i) for i in receive_until(syncer, 1)] == [1]
+        stream = delta_stream_key(RUN, 0, "learner-0")
+        sent_before = int(client.info("stats")["total_net_output_bytes"])
+        for _ in range(2):
+            client.xadd(stream, {FIELD: b"x" * (32 * 2**20)})
+        send_all(learner, [make_delta("learner-0", 2, 0)])
+        assert [seq_of(i) for i in receive_until(syncer, 1)] == [2]
+        sent = int(client.info("stats")["total_net_output_bytes"]) - sent_before
+        assert syncer.stats.rejected["too_large"] == 2
+        assert sent < 2**20, sent
+        assert client.xlen(stream) <= 2  # the two deleted; the good ones wait for trimming
+    finally:
+        learner.close()
+        syncer.close()
+        client.close()
+
+
 @pytest.mark.timeout(30)
 def test_learner_rejects_bad_globals_and_keeps_reading(redis_server: RedisServer) -> None:
     url = redis_server.url
