@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 # Keys enrolled at once, at most: each costs a few hundred bytes, and a holder
 # of the join secret could otherwise enroll keys without end.
 MAX_MEMBERS = 4 * MAX_LEARNER_SLOTS
+# Learner ids one key may hold: a learner needs one (a slot learner, also its
+# slot's); more would let one key grow the roster and its ACL rules alone.
+MAX_IDS_PER_KEY = 4
 _REVOKED_REREAD_S = 1.0
 
 
@@ -82,8 +85,13 @@ class Members:
             holder_heard = self._last_heard.get(holder, -float("inf")) if holder else -float("inf")
             if holder not in (None, key) and now - holder_heard < self._hold_s:
                 return "identity_taken"
+            if holder != key and self._count_ids_locked(key) >= MAX_IDS_PER_KEY:
+                return "too_many_ids"
             self._bound[learner_id] = key
         return None
+
+    def _count_ids_locked(self, key: str) -> int:
+        return sum(1 for k in self._bound.values() if k == key)
 
     def slots_held_by_others(self, key: str) -> frozenset[int]:
         """Learner slots whose id (``learner-<slot>``) a live key other than
@@ -100,8 +108,11 @@ class Members:
 
     def bind(self, key: str, learner_id: str) -> None:
         """``learner_id`` is the key's now: it holds that id's learner slot
-        (granted only when no other live key holds the id)."""
+        (granted only when no other live key holds the id), and no other: a
+        key holds one slot at a time."""
         with self._lock:
+            for other in [i for i, k in self._bound.items() if k == key and slot_of(i) is not None]:
+                del self._bound[other]
             self._bound[learner_id] = key
 
     def may_enroll(self, key: str) -> bool:

@@ -31,6 +31,7 @@ from broker.keys import (
     revoke,
     rotate_signing_key,
 )
+from broker.members import MAX_IDS_PER_KEY, Members
 from broker.wire import Delta, Enroll, GlobalFragment, Heartbeat, LeaseRequest, SnapshotRequest
 from broker.zmq_transport import ZmqLearnerTransport, ZmqSyncerTransport, pub_endpoint
 from tests.servers import wait_until
@@ -405,3 +406,21 @@ def test_the_signing_key_rotates_while_syncer_and_learner_run(keys_dir: Path) ->
     finally:
         learner.close()
         syncer.close()
+
+
+def test_one_key_holds_a_few_learner_ids_and_one_slot(keys_dir: Path) -> None:
+    """Attack: an enrolled key claims id after id, to grow the roster (and, over
+    Redis, its ACL user) alone. It holds MAX_IDS_PER_KEY at most, and one slot."""
+    keys = RunKeys.load(keys_dir, "syncer")
+    members = Members(keys, "r", hold_s=15.0)
+    key = "ab" * 32
+    enroll = Enroll(run_id="r", key=key, role="learner",
+                    proof=enroll_proof(keys.join_secret, "r", key, "learner"))  # fmt: skip
+    assert members.enroll(key, enroll) is None
+    for i in range(MAX_IDS_PER_KEY):
+        assert members.check(key, f"name-{i}", writes=True) is None
+    assert members.check(key, "one-more", writes=True) == "too_many_ids"
+    assert members.check(key, "name-0", writes=True) is None  # those it holds, it keeps
+    members.bind(key, "learner-3")
+    members.bind(key, "learner-5")  # a new slot: the old one's id goes
+    assert {i for i in members.ids_of(key) if i.startswith("learner-")} == {"learner-5"}
