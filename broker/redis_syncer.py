@@ -173,6 +173,11 @@ class RedisSyncerTransport(SyncerTransport):
     def connection_errors(self) -> int:
         return self._link.errors
 
+    @property
+    def learners(self) -> list[str]:
+        """The admitted learner ids whose streams this syncer reads."""
+        return self._learners.ids
+
     # -- receiving --------------------------------------------------------------
     def receive(self, timeout_s: float) -> list[Inbound]:
         deadline = time.monotonic() + max(0.0, timeout_s)

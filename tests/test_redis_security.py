@@ -322,7 +322,10 @@ def test_a_join_holder_cannot_take_an_enrolled_learners_id_and_revocation_shuts_
             return refused(mine.ping) == "AuthenticationError"
 
         wait_until(shut_out, 10, interval_s=0, what="the revoked learner's user to go")
-        assert "learner-0" not in syncer._learners.read()
+        wait_until(
+            lambda: (syncer.receive(0.05), "learner-0" not in syncer.learners)[1], 5,
+            what="learner-0 off the roster",
+        )  # fmt: skip
     finally:
         impostor.close()
         real.close()
