@@ -118,10 +118,12 @@ def _hex_bytes(folder: Path, name: str, size: int) -> bytes:
 
 
 def _curve_key(folder: Path, name: str) -> bytes:
-    text = _read(folder, name).encode()
-    if len(text) != 40:
-        raise ConfigError(f"{folder / name}: expected a 40-character z85 CURVE key")
-    return text
+    """A z85 CURVE key; of a list (``syncer.curve.pub`` after a rotation), the
+    newest: the last line."""
+    lines = [line.strip() for line in _read(folder, name).splitlines() if line.strip()]
+    if not lines or any(len(line) != 40 for line in lines):
+        raise ConfigError(f"{folder / name}: expected 40-character z85 CURVE keys, one a line")
+    return lines[-1].encode()
 
 
 def _public_keys(folder: Path) -> tuple[Ed25519PublicKey, ...]:
@@ -189,6 +191,19 @@ def rotate_signing_key(folder: str | Path) -> str:
     write_private(out / SIGNING_PUBLIC, f"{old}\n{new_public}\n")
     write_private(out / SIGNING_KEY, _raw_private(signing).hex() + "\n")
     return new_public
+
+
+def rotate_curve_key(folder: str | Path) -> str:
+    """A new CURVE key pair for the syncers: its public half is listed after the
+    old ones first (learners that re-read the list dial the newest), then the
+    syncers' secret is replaced (they bind again with it). Returns the new
+    public key, z85."""
+    out = Path(folder)
+    old = _read(out, CURVE_PUBLIC)
+    public, secret = zmq.curve_keypair()
+    write_private(out / CURVE_PUBLIC, f"{old}\n{public.decode()}\n")
+    write_private(out / CURVE_SECRET, secret.decode() + "\n")
+    return public.decode()
 
 
 def revoke(folder: str | Path, learner_id: str) -> None:
@@ -350,6 +365,37 @@ def signing_digest(g: GlobalFragment) -> bytes:
     return hashlib.sha256(_DIGEST_DOMAIN + head + payload).digest()
 
 
+class FileWatch:
+    """Whether a key file was replaced since last looked at (its mtime and
+    inode), looked at (a stat) at most every ``every_s``: how a running process
+    takes up a rotation (``ddiloco keys rotate``, ``rotate-curve``)."""
+
+    def __init__(self, path: Path, every_s: float = 1.0) -> None:
+        self._path = path
+        self.every_s = every_s
+        self._checked = time.monotonic()
+        self._stamp = self._file_stamp()
+
+    def _file_stamp(self) -> tuple[int, int]:
+        st = self._path.stat()
+        return st.st_mtime_ns, st.st_ino
+
+    def changed(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked < self.every_s:
+            return False
+        self._checked = now
+        try:
+            stamp = self._file_stamp()
+        except OSError as e:
+            log.warning("%s not looked at (%s)", self._path, e)
+            return False
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        return True
+
+
 class GlobalSigner:
     """Signs every global a syncer publishes with the run's signing key. A
     rotated key (``ddiloco keys rotate``) is taken up without a restart: the
@@ -359,13 +405,7 @@ class GlobalSigner:
         if keys.signing_key is None:
             raise ConfigError(f"{keys.folder}: a syncer needs {SIGNING_KEY}")
         self._keys = keys
-        self._recheck_s = recheck_s
-        self._checked = time.monotonic()
-        self._stamp = self._file_stamp()
-
-    def _file_stamp(self) -> tuple[int, int]:
-        st = (self._keys.folder / SIGNING_KEY).stat()
-        return st.st_mtime_ns, st.st_ino
+        self.watch = FileWatch(keys.folder / SIGNING_KEY, recheck_s)
 
     def sign(self, g: GlobalFragment) -> GlobalFragment:
         self._take_up_rotation()
@@ -373,16 +413,12 @@ class GlobalSigner:
         return replace(g, signature=self._keys.signing_key.sign(signing_digest(g)).hex())
 
     def _take_up_rotation(self) -> None:
-        now = time.monotonic()
-        if now - self._checked < self._recheck_s:
+        if not self.watch.changed():
             return
-        self._checked = now
         try:
-            stamp = self._file_stamp()
-            if stamp != self._stamp:
-                self._keys, self._stamp = self._keys.reloaded(), stamp
-                log.warning("signing with the rotated key in %s", self._keys.folder)
-        except (OSError, ConfigError) as e:
+            self._keys = self._keys.reloaded()
+            log.warning("signing with the rotated key in %s", self._keys.folder)
+        except ConfigError as e:
             log.warning("signing key not re-read (%s): signing with the one loaded", e)
 
 

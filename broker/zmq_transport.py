@@ -39,7 +39,11 @@ import zmq
 
 from broker import wire
 from broker.config_checks import check_positive, require
+from broker.errors import ConfigError
 from broker.keys import (
+    CURVE_PUBLIC,
+    CURVE_SECRET,
+    FileWatch,
     GlobalSigner,
     GlobalVerifier,
     Identity,
@@ -446,6 +450,8 @@ class ZmqLearnerTransport(LearnerTransport):
         self._keys = keys
         self._identity = identity or (Identity.new() if keys else None)
         self._verifier = GlobalVerifier(keys) if keys else None
+        # The syncers' CURVE key list, for a rotation (`ddiloco keys rotate-curve`).
+        self._curve_watch = FileWatch(keys.folder / CURVE_PUBLIC) if keys else None
         self._enroll_frame = b""
         self._last_enrolled = -math.inf
         if keys is not None and self._identity is not None:
@@ -612,7 +618,29 @@ class ZmqLearnerTransport(LearnerTransport):
             self._refused(refusal.fragment)
             self._requests.resync(refusal.fragment)
 
+    def _take_up_curve_rotation(self) -> None:
+        """Dial the syncers with the newest key of their list once it changed:
+        the sockets connect again (a connection keeps the key it was made with)."""
+        if self._curve_watch is None or not self._curve_watch.changed():
+            return
+        assert self._keys is not None
+        try:
+            keys = self._keys.reloaded()
+        except ConfigError as e:
+            log.warning("CURVE key list not re-read (%s): dialling with the one loaded", e)
+            return
+        if keys.curve_public == self._keys.curve_public:
+            return
+        self._keys = keys
+        for dealer, sub, endpoint in zip(self._dealers, self._subs, self._endpoints, strict=True):
+            for sock, where in ((dealer, endpoint), (sub, pub_endpoint(endpoint))):
+                sock.curve_serverkey = keys.curve_public
+                sock.disconnect(where)
+                sock.connect(where)
+        log.warning("learner %s: dialling the syncers with their rotated key", self.learner_id)
+
     def _drain(self, timeout_s: float) -> None:
+        self._take_up_curve_rotation()
         self._renew_refused()
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         for sock in self._dealers + self._subs:
@@ -784,6 +812,19 @@ class LatestGlobals:
         return out
 
 
+def _bind_when_free(sock: zmq.Socket[bytes], endpoint: str, timeout_s: float = 5.0) -> None:
+    """Bind ``endpoint`` again: ZeroMQ frees an unbound port in its I/O thread."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
 def _peer_key(frame: zmq.Frame) -> str:
     """The CURVE key a frame came on (our ZAP handler named the peer by it, z85),
     in hex: the member's key."""
@@ -842,6 +883,10 @@ class ZmqSyncerTransport(SyncerTransport):
             self._pub.setsockopt(zmq.SNDHWM, send_hwm)
             self._curve_server(self._pub, keys, GLOBALS_DOMAIN)
             self._pub.bind(pub_endpoint(bind))
+        self._keys = keys
+        # A rotated CURVE key (`ddiloco keys rotate-curve`) is taken up by binding
+        # again: a bound socket keeps the key it was bound with.
+        self._curve_watch = FileWatch(keys.folder / CURVE_SECRET) if keys else None
         self._latest = LatestGlobals(snapshot_interval_s, self.stats)
         self._leases = SlotLeases(self.stats)
 
@@ -883,7 +928,27 @@ class ZmqSyncerTransport(SyncerTransport):
                 self._send_to(identity, (wire.encode(Refusal.of(msg, reason)),))
         return reason is not None or isinstance(msg, Enroll)
 
+    def _take_up_curve_rotation(self) -> None:
+        if self._curve_watch is None or not self._curve_watch.changed():
+            return
+        assert self._keys is not None
+        try:
+            keys = self._keys.reloaded()
+        except ConfigError as e:
+            log.warning("CURVE key not re-read (%s): serving with the one loaded", e)
+            return
+        for sock, domain in ((self._router, REQUESTS_DOMAIN), (self._pub, GLOBALS_DOMAIN)):
+            endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            # The connections this endpoint accepted close; their learners dial
+            # again with the new key (deltas unacked are sent again).
+            sock.unbind(endpoint)
+            self._curve_server(sock, keys, domain)
+            _bind_when_free(sock, endpoint)
+        self._keys = keys
+        log.warning("serving with the rotated CURVE key in %s", keys.folder)
+
     def receive(self, timeout_s: float) -> list[Inbound]:
+        self._take_up_curve_rotation()
         out: list[Inbound] = []
         if not self._router.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
             return out

@@ -60,13 +60,13 @@ THROTTLE_ACTIONS = {
 }
 
 
-KEY_ACTIONS = ("make", "revoke", "rotate", "rotate-tls")
+KEY_ACTIONS = ("make", "revoke", "rotate", "rotate-curve", "rotate-tls")
 
 
 def run_keys(action: str, folder: str, learner_id: str | None, force: bool) -> int:
     """``ddiloco keys``: make a run's key folder, revoke a learner (syncers shut
-    it out within a second, no restart), rotate the signing key, or issue the
-    Redis server a new TLS certificate."""
+    it out within a second, no restart), rotate the signing key or the syncers'
+    CURVE key, or issue the Redis server a new TLS certificate."""
     from broker import keys, tls
 
     if action == "make":
@@ -84,6 +84,9 @@ def run_keys(action: str, folder: str, learner_id: str | None, force: bool) -> i
     elif action == "rotate":
         public = keys.rotate_signing_key(folder)
         print(f"new signing key {public[:16]}...: listed for learners, syncers sign with it")
+    elif action == "rotate-curve":
+        public = keys.rotate_curve_key(folder)
+        print(f"new CURVE key {public[:10]}...: learners dial it, syncers bind again with it")
     else:
         hosts = tls.issue_redis_cert(Path(folder))
         print(

@@ -29,6 +29,7 @@ from broker.keys import (
     enroll_proof,
     make_keys,
     revoke,
+    rotate_curve_key,
     rotate_signing_key,
 )
 from broker.members import MAX_IDS_PER_KEY, Members
@@ -376,7 +377,7 @@ def test_the_signing_key_rotates_while_syncer_and_learner_run(keys_dir: Path) ->
     nothing restarts."""
     syncer, learner = keyed_pair(keys_dir)
     assert syncer._signer is not None
-    syncer._signer._recheck_s = 0.0
+    syncer._signer.watch.every_s = 0.0
     try:
         version = 0
 
@@ -424,3 +425,44 @@ def test_one_key_holds_a_few_learner_ids_and_one_slot(keys_dir: Path) -> None:
     members.bind(key, "learner-3")
     members.bind(key, "learner-5")  # a new slot: the old one's id goes
     assert {i for i in members.ids_of(key) if i.startswith("learner-")} == {"learner-5"}
+
+
+def test_the_curve_key_rotates_while_syncer_and_learner_run(keys_dir: Path) -> None:
+    """`ddiloco keys rotate-curve` on the run's folder: the syncer binds again with
+    the new key, the learner (which re-reads the list) dials it, its deltas keep
+    being taken, a newcomer with the new list connects, and nothing restarts."""
+    syncer, learner = keyed_pair(keys_dir)
+    assert syncer._curve_watch is not None and learner._curve_watch is not None
+    syncer._curve_watch.every_s = learner._curve_watch.every_s = 0.0
+    newcomer: ZmqLearnerTransport | None = None
+    try:
+        seq = 0
+
+        def taken(sender: ZmqLearnerTransport) -> bool:
+            nonlocal seq
+            seq += 1
+            sender.send_delta(delta(sender.learner_id, seq, seq % 2))
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                sender.poll(0.02)
+                got = syncer.receive(0.02)
+                syncer.ack(got)
+                if any(isinstance(i.message, Delta) and i.message.seq == seq for i in got):
+                    return True
+            return False
+
+        wait_until(lambda: taken(learner), 15, what="a delta before the rotation")
+        old_public = RunKeys.load(keys_dir, "learner").curve_public
+        new_public = rotate_curve_key(keys_dir)
+        assert RunKeys.load(keys_dir, "learner").curve_public == new_public.encode() != old_public
+        wait_until(lambda: taken(learner), 15, what="the learner's delta after the rotation")
+        newcomer = ZmqLearnerTransport(
+            [learner._endpoints[0]], RUN, "learner-1", 1, 2,
+            keys=RunKeys.load(keys_dir, "learner"),
+        )  # fmt: skip
+        wait_until(lambda: taken(newcomer), 15, what="a newcomer's delta")
+    finally:
+        if newcomer is not None:
+            newcomer.close()
+        learner.close()
+        syncer.close()
