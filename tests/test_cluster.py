@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from broker.keys import make_keys
+from broker.keys import REDIS_SYNCER, make_keys
+from broker.redis_access import SYNCER_USER
 from broker.settings import default_quorum
 from compose.throttle import parse_rate
 from tests.docker_env import (
@@ -70,12 +71,15 @@ class Cluster:
     def __init__(self, images: ClusterImages, run_dir: Path, replicas: int) -> None:
         self.project = f"ddtest{uuid.uuid4().hex[:8]}"
         self.run_dir = run_dir
+        self.keys = make_keys(run_dir.parent / "keys")
+        # Redis takes nobody without a user: the test looks in as the syncers.
+        self.redis_auth = (SYNCER_USER, (self.keys / REDIS_SYNCER).read_text().strip())
         self.env = {
             **CLUSTER_SETTINGS,
             "DDILOCO_IMAGE": images.app,
             "DDILOCO_REDIS_IMAGE": images.redis,
             "DDILOCO_RUN_DIR": str(run_dir),
-            "DDILOCO_KEYS_DIR": str(make_keys(run_dir.parent / "keys")),
+            "DDILOCO_KEYS_DIR": str(self.keys),
             "DDILOCO_RUN_ID": self.project,
             "DDILOCO_SYNCER_METRICS_PORT": str(free_port()),
             "DDILOCO_LEARNER_REPLICAS": str(replicas),
@@ -100,15 +104,18 @@ class Cluster:
         return [e for e in read_jsonl(self.run_dir / "syncer.jsonl") if e["event"] == "round"]
 
 
-def redis_cli(container: str, *args: str) -> Any:
-    return json.loads(run(["docker", "exec", container, "redis-cli", "--json", *args]))
+def redis_cli(container: str, auth: tuple[str, str], *args: str) -> Any:
+    user, password = auth
+    cli = ["redis-cli", "--no-auth-warning", "--user", user, "--pass", password, "--json"]
+    return json.loads(run(["docker", "exec", container, *cli, *args]))
 
 
-def probe_transfer(container: str) -> dict[str, float]:
+def probe_transfer(container: str, auth: tuple[str, str]) -> dict[str, float]:
     """Seconds to send and to receive PROBE_BYTES between a learner and Redis."""
     code = (
         "import json, os, time, redis\n"
-        "r = redis.Redis(host='redis', port=6379, socket_timeout=300)\n"
+        f"r = redis.Redis(host='redis', port=6379, socket_timeout=300, username={auth[0]!r},"
+        f" password={auth[1]!r})\n"
         f"data = os.urandom({PROBE_BYTES})\n"
         "t = time.perf_counter(); r.set('throttle-probe', data); up = time.perf_counter() - t\n"
         "t = time.perf_counter(); got = r.get('throttle-probe'); down = time.perf_counter() - t\n"
@@ -258,7 +265,7 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
             {"target": target, "dev": "eth0", "up_bits": rate_bits, "down_bits": rate_bits}
         ]
         throttled_since = time.time()
-        throttled = probe_transfer(target)
+        throttled = probe_transfer(target, cluster.redis_auth)
         floor_s = PROBE_BYTES * 8 / rate_bits
         TIMINGS.update({f"throttled_{k}": round(v, 2) for k, v in throttled.items()})
         TIMINGS["throttle_floor_s"] = round(floor_s, 2)
@@ -268,21 +275,23 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
         ddiloco("throttle", "clear", "--container", target)
         cleared = json.loads(ddiloco("throttle", "show", "--container", target))
         assert cleared["up_bits"] is None and cleared["down_bits"] is None
-        free = probe_transfer(target)
+        free = probe_transfer(target, cluster.redis_auth)
         TIMINGS.update({f"unthrottled_{k}": round(v, 2) for k, v in free.items()})
         assert free["up_s"] < floor_s and free["down_s"] < floor_s
         assert len(cluster.stepping(throttled_since)) == 4  # all trained through it
 
         # -- the end: learners stop, the last rounds merge, the outputs are written ---
         cluster.compose("stop", "-t", "60", "learner")
-        acked_streams = [f"ddiloco:{cluster.project}:deltas:{p}" for p in range(2)]
+        auth = cluster.redis_auth
+        acked_streams = redis_cli(redis_c, auth, "KEYS", f"ddiloco:{cluster.project}:deltas:*")
+        assert len(acked_streams) >= 2 * 4  # a stream per fragment and learner
 
         def drained() -> bool:
             # Every delta Redis acknowledged was delivered to the syncer group,
             # and the syncer acked each only after merging (or refusing) it.
             for stream in acked_streams:
-                info = redis_cli(redis_c, "XINFO", "STREAM", stream)
-                group = redis_cli(redis_c, "XINFO", "GROUPS", stream)[0]
+                info = redis_cli(redis_c, auth, "XINFO", "STREAM", stream)
+                group = redis_cli(redis_c, auth, "XINFO", "GROUPS", stream)[0]
                 if group["pending"] or group["last-delivered-id"] != info["last-generated-id"]:
                     return False
             return True
