@@ -81,6 +81,22 @@ def warn_without_aof(client: redis.Redis, consumer: str) -> None:
         )
 
 
+def _check_syncer_user(client: redis.Redis, url: str) -> None:
+    """Fail at start, saying why, when Redis knows the syncers' user by another
+    password (it holds another key folder's users); a Redis not up yet is
+    waited for, as always."""
+    try:
+        client.ping()
+    except redis.AuthenticationError as e:
+        raise ConfigError(
+            f"redis at {url.split('@')[-1]} refused the syncers' user ({e}): it holds "
+            "another run's users; start it with --aclfile KEYS/redis.acl of this run's keys "
+            "(one Redis serves the runs of one key folder)"
+        ) from None
+    except redis.RedisError:
+        pass
+
+
 class RedisSyncerTransport(SyncerTransport):
     """Syncer side: a consumer of group ``syncers`` on the owned fragments' delta
     streams (:class:`~broker.redis_deltas.DeltaReader`, trimmed by
@@ -135,6 +151,8 @@ class RedisSyncerTransport(SyncerTransport):
             user = (SYNCER_USER, keys.redis_password)
             lock_down_if_open(url, socket_timeout_s, keys)
         client = connect(url, socket_timeout_s, keys, user)
+        if user is not None:
+            _check_syncer_user(client, url)
         warn_without_aof(client, consumer)
         self._deltas = DeltaReader(
             client,

@@ -170,9 +170,11 @@ class LocalRun:
                 f"--initial-model {initial}: no such file; write it with `ddiloco init`"
             )
         # Likewise the run folder's own keys, made at the first start, unless
-        # the user gave a key folder (or --insecure).
-        keys = run.keys
-        if keys == RunSettings.keys and not run.insecure:
+        # the user gave a key folder, made one where the default points (`ddiloco
+        # keys` here), or runs --insecure. Every process gets the folder's full path.
+        keys = str(Path(run.keys).expanduser().resolve())
+        default_unmade = not (Path(keys) / JOIN_SECRET).exists()
+        if run.keys == RunSettings.keys and default_unmade and not run.insecure:
             keys = str(self.out / "keys")
             if not (self.out / "keys" / JOIN_SECRET).exists():
                 make_keys(keys)
