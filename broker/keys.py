@@ -270,6 +270,18 @@ class RunKeys:
         """The same role's keys as the folder holds them now (after a rotation)."""
         return RunKeys.load(self.folder, self.role)
 
+    def rotated(self, watch: FileWatch, what: str) -> RunKeys | None:
+        """The keys as the folder holds them now if ``watch``'s file was replaced
+        since last looked at; None if not, or if they cannot be read (said in
+        the log: the process goes on with the keys it has)."""
+        if not watch.changed():
+            return None
+        try:
+            return self.reloaded()
+        except ConfigError as e:
+            log.warning("%s not re-read (%s): going on with the one loaded", what, e)
+            return None
+
     def revoked(self) -> frozenset[str]:
         return read_revoked(self.folder)
 
@@ -413,13 +425,10 @@ class GlobalSigner:
         return replace(g, signature=self._keys.signing_key.sign(signing_digest(g)).hex())
 
     def _take_up_rotation(self) -> None:
-        if not self.watch.changed():
-            return
-        try:
-            self._keys = self._keys.reloaded()
-            log.warning("signing with the rotated key in %s", self._keys.folder)
-        except ConfigError as e:
-            log.warning("signing key not re-read (%s): signing with the one loaded", e)
+        keys = self._keys.rotated(self.watch, "signing key")
+        if keys is not None:
+            self._keys = keys
+            log.warning("signing with the rotated key in %s", keys.folder)
 
 
 class GlobalVerifier:

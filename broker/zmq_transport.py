@@ -39,7 +39,6 @@ import zmq
 
 from broker import wire
 from broker.config_checks import check_positive, require
-from broker.errors import ConfigError
 from broker.keys import (
     CURVE_PUBLIC,
     CURVE_SECRET,
@@ -621,15 +620,10 @@ class ZmqLearnerTransport(LearnerTransport):
     def _take_up_curve_rotation(self) -> None:
         """Dial the syncers with the newest key of their list once it changed:
         the sockets connect again (a connection keeps the key it was made with)."""
-        if self._curve_watch is None or not self._curve_watch.changed():
+        if self._curve_watch is None or self._keys is None:
             return
-        assert self._keys is not None
-        try:
-            keys = self._keys.reloaded()
-        except ConfigError as e:
-            log.warning("CURVE key list not re-read (%s): dialling with the one loaded", e)
-            return
-        if keys.curve_public == self._keys.curve_public:
+        keys = self._keys.rotated(self._curve_watch, "the syncers' CURVE key list")
+        if keys is None or keys.curve_public == self._keys.curve_public:
             return
         self._keys = keys
         for dealer, sub, endpoint in zip(self._dealers, self._subs, self._endpoints, strict=True):
@@ -929,13 +923,10 @@ class ZmqSyncerTransport(SyncerTransport):
         return reason is not None or isinstance(msg, Enroll)
 
     def _take_up_curve_rotation(self) -> None:
-        if self._curve_watch is None or not self._curve_watch.changed():
+        if self._curve_watch is None or self._keys is None:
             return
-        assert self._keys is not None
-        try:
-            keys = self._keys.reloaded()
-        except ConfigError as e:
-            log.warning("CURVE key not re-read (%s): serving with the one loaded", e)
+        keys = self._keys.rotated(self._curve_watch, "CURVE key")
+        if keys is None:
             return
         for sock, domain in ((self._router, REQUESTS_DOMAIN), (self._pub, GLOBALS_DOMAIN)):
             endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
