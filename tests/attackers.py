@@ -160,27 +160,29 @@ def _joiner(
     return peer.outcome
 
 
-def attack_live_run(
-    run_id: str, endpoint: str, keys_dir: Path, stop: threading.Event, victim: str = "learner-0"
-) -> dict[str, Outcome]:
-    """Run both attackers until ``stop``; what each got back."""
-    keys = RunKeys.load(keys_dir, "learner")
+def _run_both(attackers: dict[str, Callable[[], Outcome]]) -> dict[str, Outcome]:
+    """Run each attacker in a thread of its own until it returns; what each got."""
     results: dict[str, Outcome] = {}
     threads = [
-        threading.Thread(
-            target=lambda: results.__setitem__("outsider", _outsider(run_id, endpoint, stop))
-        ),
-        threading.Thread(
-            target=lambda: results.__setitem__(
-                "joiner", _joiner(run_id, endpoint, keys, stop, victim)
-            )
-        ),
+        threading.Thread(target=lambda n=name, f=fn: results.__setitem__(n, f()))
+        for name, fn in attackers.items()
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     return results
+
+
+def attack_live_run(
+    run_id: str, endpoint: str, keys_dir: Path, stop: threading.Event, victim: str = "learner-0"
+) -> dict[str, Outcome]:
+    """Run both attackers until ``stop``; what each got back."""
+    keys = RunKeys.load(keys_dir, "learner")
+    return _run_both({
+        "outsider": lambda: _outsider(run_id, endpoint, stop),
+        "joiner": lambda: _joiner(run_id, endpoint, keys, stop, victim),
+    })  # fmt: skip
 
 
 # -- Redis ---------------------------------------------------------------------------
@@ -283,19 +285,7 @@ def attack_live_redis_run(
 ) -> dict[str, Outcome]:
     """Run both Redis attackers until ``stop``; what each got back."""
     keys = RunKeys.load(keys_dir, "learner")
-    results: dict[str, Outcome] = {}
-    threads = [
-        threading.Thread(
-            target=lambda: results.__setitem__("outsider", _redis_outsider(run_id, port, stop))
-        ),
-        threading.Thread(
-            target=lambda: results.__setitem__(
-                "joiner", _redis_joiner(run_id, port, keys, stop, victim)
-            )
-        ),
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return _run_both({
+        "outsider": lambda: _redis_outsider(run_id, port, stop),
+        "joiner": lambda: _redis_joiner(run_id, port, keys, stop, victim),
+    })  # fmt: skip
