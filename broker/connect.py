@@ -24,7 +24,7 @@ import zmq
 
 from broker.errors import ConfigError, TransportError
 from broker.keys import Identity, RunKeys
-from broker.transport import LearnerTransport, SyncerTransport
+from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, SyncerTransport
 
 SCHEMES = ("zmq", "redis", "rediss", "unix")
 _REDIS_PY_OPTIONS_WE_SET = ("socket_timeout", "socket_connect_timeout")
@@ -50,7 +50,7 @@ def _backend_classes(backend: str) -> tuple[type, type]:
 
 
 # Keyword options that are objects, given by the caller, never by a URL.
-_CALLER_OPTIONS = ("keys", "identity", "role", "num_fragments")
+_CALLER_OPTIONS = ("keys", "identity", "role", "num_fragments", "roster_cap")
 
 
 def _keyword_options(cls: type) -> dict[str, Any]:
@@ -187,13 +187,15 @@ def connect_syncer(
     max_message_bytes: int | None = None,
     num_fragments: int | None = None,
     keys: RunKeys | None = None,
+    roster_cap: int = MAX_LEARNER_SLOTS,
 ) -> SyncerTransport:
     """``max_message_bytes`` as for :func:`connect_learner`; ``num_fragments``
     the run's (Redis: the keys a learner's ACL user may write name each);
-    ``keys`` the run's keys as a syncer holds them."""
+    ``keys`` the run's keys as a syncer holds them; ``roster_cap`` the learner
+    slots the syncer grants, at most (its roster cap)."""
     parsed = parse_url(url)
     _, cls = _backend_classes(parsed.backend)
-    options = _options_for(cls, parsed) | {"keys": keys}
+    options = _options_for(cls, parsed) | {"keys": keys, "roster_cap": roster_cap}
     if max_message_bytes is not None:
         options.setdefault("max_message_bytes", max_message_bytes)
     if parsed.backend == "zmq":

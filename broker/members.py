@@ -193,10 +193,18 @@ class Members:
 class SlotLeases:
     """Learner slots, held by the first syncer: the rule of
     ``LearnerTransport.lease`` by this process's clock. In memory only: for half
-    a lease period after a start it grants only the slots holders say they hold."""
+    a lease period after a start it grants only the slots holders say they hold.
 
-    def __init__(self, stats: TransportStats) -> None:
+    ``max_slots``: slots below it are granted, no more (nor past
+    MAX_LEARNER_SLOTS): the syncer passes its roster cap, so that a holder of
+    the join secret, one key per slot, adds learners up to the cap and cannot
+    pin the slots beyond it."""
+
+    def __init__(self, stats: TransportStats, max_slots: int = MAX_LEARNER_SLOTS) -> None:
+        if max_slots < 1:
+            raise ValueError(f"max_slots={max_slots}: at least 1")
         self._stats = stats
+        self._max_slots = min(max_slots, MAX_LEARNER_SLOTS)
         self._leases: dict[int, tuple[str, str, float]] = {}  # slot -> (holder, key, expiry)
         self._started = time.monotonic()
 
@@ -227,7 +235,7 @@ class SlotLeases:
         mine = [s for s in mine if s not in in_use]
         if mine:
             slot = min(mine)
-        elif req.held_slot >= 0 and req.held_slot not in taken:
+        elif 0 <= req.held_slot < self._max_slots and req.held_slot not in taken:
             slot = req.held_slot
         elif now - self._started < req.ttl_s / 2:
             # Just started: leases granted before may still run. Their holders
@@ -236,7 +244,7 @@ class SlotLeases:
             return None
         else:
             slot = next(s for s in range(len(taken) + 1) if s not in taken)
-            if slot >= MAX_LEARNER_SLOTS:
+            if slot >= self._max_slots:
                 self._stats.rejected["no_free_slot"] += 1
                 return None
         self._leases[slot] = (req.holder, owner, now + req.ttl_s)

@@ -67,6 +67,7 @@ class Admission:
         num_fragments: int,
         keys: RunKeys | None,
         hold_s: float,
+        roster_cap: int,
         stats: TransportStats,
     ) -> None:
         self._client = client
@@ -74,7 +75,7 @@ class Admission:
         self._num_fragments = num_fragments
         self._stats = stats
         self._members = Members(keys, run_id, hold_s) if keys is not None else None
-        self._leases = SlotLeases(stats)
+        self._leases = SlotLeases(stats, roster_cap)
         self._take = client.register_script(TAKE_BOUNDED)
         self.roster: dict[str, str] = {}  # admitted learner id -> its key
         self._users: dict[str, frozenset[str]] = {}  # key -> the ids its ACL user holds

@@ -47,7 +47,7 @@ from broker.redis_common import (
 from broker.redis_deltas import DeltaReader, DeltaTrimmer, Token
 from broker.redis_globals import GlobalsPublisher
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
-from broker.transport import Inbound, SyncerTransport, TransportStats
+from broker.transport import MAX_LEARNER_SLOTS, Inbound, SyncerTransport, TransportStats
 from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class RedisSyncerTransport(SyncerTransport):
         num_fragments: int | None = None,
         identity_hold_s: float = GONE_AFTER_HEARTBEATS * RunSettings.heartbeat_timeout_s,
         keys: RunKeys | None = None,
+        roster_cap: int = MAX_LEARNER_SLOTS,
     ) -> None:
         if not fragments or len(set(fragments)) != len(fragments) or min(fragments) < 0:
             raise ConfigError(f"fragments must be distinct non-negative ids, got {fragments}")
@@ -170,7 +171,9 @@ class RedisSyncerTransport(SyncerTransport):
             client, run_id, consumer, group, self._deltas.streams, self.stats
         )
         self._admission = (
-            Admission(client, run_id, num_fragments, keys, identity_hold_s, self.stats)
+            Admission(
+                client, run_id, num_fragments, keys, identity_hold_s, roster_cap, self.stats
+            )
             if 0 in fragments
             else None
         )

@@ -55,6 +55,7 @@ from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import (
     Backpressure,
     Inbound,
+    MAX_LEARNER_SLOTS,
     LearnerTransport,
     SyncerTransport,
     TransportError,
@@ -846,6 +847,7 @@ class ZmqSyncerTransport(SyncerTransport):
         # With keys: a learner id stays bound to its key until the key is silent this long.
         identity_hold_s: float = GONE_AFTER_HEARTBEATS * RunSettings.heartbeat_timeout_s,
         keys: RunKeys | None = None,
+        roster_cap: int = MAX_LEARNER_SLOTS,
     ) -> None:
         _check_options(max_message_bytes=max_message_bytes, max_batch=max_batch, send_hwm=send_hwm)
         check_positive("identity_hold_s", identity_hold_s)
@@ -882,7 +884,7 @@ class ZmqSyncerTransport(SyncerTransport):
         # again: a bound socket keeps the key it was bound with.
         self._curve_watch = FileWatch(keys.folder / CURVE_SECRET) if keys else None
         self._latest = LatestGlobals(snapshot_interval_s, self.stats)
-        self._leases = SlotLeases(self.stats)
+        self._leases = SlotLeases(self.stats, roster_cap)
 
     @staticmethod
     def _curve_server(sock: zmq.Socket[bytes], keys: RunKeys | None, domain: bytes) -> None:

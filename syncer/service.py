@@ -116,6 +116,7 @@ class Syncer:
             max_message_bytes=self.plan.max_message_bytes,
             num_fragments=self.plan.num_fragments,
             keys=run.run_keys("syncer"),
+            roster_cap=cfg.roster_cap,
         )
         if fresh and not cfg.new_epoch:
             self._refuse_to_forget(fresh)

@@ -44,8 +44,9 @@ class Authority:
     """A syncer-side transport pumped by a thread: the lease authority (the first
     ZeroMQ syncer, or the Redis syncer that owns fragment 0)."""
 
-    def __init__(self, url: str, keyed: bool = True) -> None:
+    def __init__(self, url: str, keyed: bool = True, roster_cap: int = MAX_LEARNER_SLOTS) -> None:
         self.url = url
+        self.roster_cap = roster_cap
         self._keys = RunKeys.load(run_keys(), "syncer") if keyed else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -53,8 +54,14 @@ class Authority:
     def start(self) -> None:
         self._stop.clear()
         transport = connect_syncer(
-            self.url, run_id=RUN, syncer_id="s", fragments=[0], keys=self._keys
+            self.url,
+            run_id=RUN,
+            syncer_id="s",
+            fragments=[0],
+            keys=self._keys,
+            roster_cap=self.roster_cap,
         )
+        self.stats = transport.stats
 
         def pump() -> None:
             while not self._stop.is_set():
@@ -253,6 +260,34 @@ def test_a_peer_cannot_hold_a_slot_for_ever_or_take_them_all(broker_url: str) ->
         assert a.lease("a", ttl_s=TTL_S, timeout_s=10) == 0
     finally:
         a.close()
+
+
+@pytest.mark.parametrize("backend", ["redis", "zmq"])
+def test_join_secret_keys_cannot_pin_slots_past_the_roster_cap(
+    backend: str, tmp_path: Path
+) -> None:
+    """Attack: a holder of the join secret enrolls one key per slot and takes
+    every slot it can. It gets the slots up to the roster cap (it may add
+    learners up to it, as the threat model says), none past it: the refusals
+    are counted, and a slot that runs out goes to the next key."""
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(keyed_redis(tmp_path)).url if backend == "redis" else zmq_url()
+        authority = Authority(url, roster_cap=2)
+        authority.start()
+        stack.callback(authority.stop)
+        squatters = [learner(url, f"squat-{i}", Identity.new()) for i in range(4)]
+        for t in squatters:
+            stack.callback(t.close)
+        assert squatters[0].lease("squat-0", ttl_s=TTL_S, timeout_s=10) == 0
+        assert squatters[1].lease("squat-1", ttl_s=TTL_S, timeout_s=10) == 1
+        for i in (2, 3):
+            with pytest.raises(TransportError):
+                squatters[i].lease(f"squat-{i}", ttl_s=TTL_S, timeout_s=1)
+        assert authority.stats.rejected["no_free_slot"] >= 2
+        # squat-0 renews for 0.5 s and then stops: its slot goes to the next key.
+        assert squatters[0].lease("squat-0", ttl_s=0.5, timeout_s=10, held_slot=0) == 0
+        time.sleep(0.6)
+        assert squatters[2].lease("squat-2", ttl_s=TTL_S, timeout_s=10) == 0
 
 
 def test_the_zmq_authority_rejects_leases_out_of_bounds() -> None:
