@@ -171,9 +171,7 @@ class RedisSyncerTransport(SyncerTransport):
             client, run_id, consumer, group, self._deltas.streams, self.stats
         )
         self._admission = (
-            Admission(
-                client, run_id, num_fragments, keys, identity_hold_s, roster_cap, self.stats
-            )
+            Admission(client, run_id, num_fragments, keys, identity_hold_s, roster_cap, self.stats)
             if 0 in fragments
             else None
         )

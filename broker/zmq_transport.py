@@ -8,7 +8,9 @@ one DEALER and one SUB to every syncer; fragment ``p`` belongs to syncer
 Deltas and globals travel as three-part messages, the parts of
 :func:`broker.wire.encode_parts` (prefix and header, payload, checksum), so a
 fragment is sent from the caller's buffer and received into one without a
-copy; everything else is one frame.
+copy; everything else is one frame. Under CURVE the payload goes in 1 MiB
+frames, joined again on receipt (see ``_CURVE_FRAME_BYTES``). Every message is
+received frame by frame within a bound of parts and bytes.
 
 Why these sockets: PUSH would block at its high-water mark and PUB silently
 drops, so deltas go DEALER -> ROUTER with an explicit :class:`~broker.wire.Ack`
@@ -53,9 +55,9 @@ from broker.keys import (
 from broker.members import Members, SlotLeases
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import (
+    MAX_LEARNER_SLOTS,
     Backpressure,
     Inbound,
-    MAX_LEARNER_SLOTS,
     LearnerTransport,
     SyncerTransport,
     TransportError,
@@ -85,6 +87,11 @@ _FRAME_OVERHEAD = 64 * 1024 + 16  # header limit + prefix + checksum
 # Parts at least this big are sent zero-copy (libzmq reads the bytes object
 # itself); below it a copy is cheaper than the bookkeeping.
 _ZERO_COPY_BYTES = 64 * 1024
+# Under CURVE, libzmq encrypts each frame into fresh buffers of its size and
+# copies it twice more: a 16 MiB payload misses the CPU caches at every step.
+# Sent in frames of this size it stays in them (loopback, 16 MiB deltas: 0.6
+# GB/s as one frame, 0.85 GB/s as 1 MiB frames; benchmarks/README.md).
+_CURVE_FRAME_BYTES = 2**20
 # A message as sent: one whole frame, or the three parts of wire.encode_parts.
 Parts = tuple[bytes, ...]
 # Globals held per fragment between two polls. Most are changes, each from the
@@ -157,26 +164,75 @@ def _check_options(**values: int) -> None:
 
 
 def _send(sock: zmq.Socket[bytes], parts: Parts, flags: int = 0) -> None:
-    """Send ``parts`` as one message without blocking. Raises ``zmq.Again`` only
-    before anything is queued: once its first part is, a message is whole."""
-    last = len(parts) - 1
-    for i, part in enumerate(parts):
+    """Send ``parts`` as one message without blocking (under CURVE, large parts
+    in frames of ``_CURVE_FRAME_BYTES``). Raises ``zmq.Again`` only before
+    anything is queued: once its first part is, a message is whole."""
+    frames: list[bytes | memoryview] = list(parts)
+    if sock.get(zmq.MECHANISM) == zmq.CURVE:
+        frames = []
+        for part in parts:
+            view = memoryview(part)
+            frames.extend(
+                view[i : i + _CURVE_FRAME_BYTES] for i in range(0, len(view), _CURVE_FRAME_BYTES)
+            )
+            if not view:
+                frames.append(part)
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
         more = zmq.SNDMORE if i < last else 0
-        sock.send(part, flags | zmq.NOBLOCK | more, copy=len(part) < _ZERO_COPY_BYTES)
+        sock.send(frame, flags | zmq.NOBLOCK | more, copy=len(frame) < _ZERO_COPY_BYTES)
+
+
+def _max_parts(max_message_bytes: int) -> int:
+    """Frames of one message at most: an envelope (identity or topic), prefix
+    and header, the payload in CURVE frames, checksum."""
+    return 3 + max(1, math.ceil(max_message_bytes / _CURVE_FRAME_BYTES))
+
+
+def _receive(
+    sock: zmq.Socket[bytes], max_message_bytes: int, stats: TransportStats
+) -> list[zmq.Frame] | None:
+    """The next message's frames (``zmq.Again`` when none is there), read one
+    by one: one with more frames or bytes than any message of ours is read to
+    its end and dropped, counted ``too_large``, so a peer that sends endless
+    parts (each within MAXMSGSIZE) never makes us hold them all."""
+    first = sock.recv(zmq.NOBLOCK, copy=False)
+    frames: list[zmq.Frame] | None = [first]
+    total = len(first)
+    max_parts, max_bytes = _max_parts(max_message_bytes), max_message_bytes + _FRAME_OVERHEAD
+    more = first.more
+    while more:
+        frame = sock.recv(copy=False)  # the rest of a message is there with its first part
+        more = frame.more
+        total += len(frame)
+        if frames is None:
+            continue
+        if len(frames) >= max_parts or total > max_bytes:
+            frames = None
+            stats.rejected["too_large"] += 1
+            log.warning("rejected a message of over %d parts or %d bytes", max_parts, max_bytes)
+        else:
+            frames.append(frame)
+    return frames
 
 
 def _decode(
     frames: list[zmq.Frame], max_message_bytes: int, stats: TransportStats
 ) -> wire.Message | None:
-    """The message of one frame or of the three parts of ``wire.encode_parts``."""
+    """The message of one frame or of the parts of ``wire.encode_parts``, its
+    payload in one frame or in several (CURVE), joined."""
     stats.bytes_received += sum(len(f) for f in frames)
     stats.messages_received += 1
     try:
         if len(frames) == 1:
             return wire.decode(frames[0].buffer, max_payload_bytes=max_message_bytes)
-        if len(frames) == 3:
-            start, payload, crc = (f.buffer for f in frames)
-            return wire.decode_parts(start, payload, crc, max_payload_bytes=max_message_bytes)
+        if len(frames) >= 3:
+            payload = (
+                frames[1].buffer if len(frames) == 3 else b"".join(f.buffer for f in frames[1:-1])
+            )
+            return wire.decode_parts(
+                frames[0].buffer, payload, frames[-1].buffer, max_payload_bytes=max_message_bytes
+            )
         raise WireError("bad_envelope", f"{len(frames)} parts")
     except WireError as e:
         stats.rejected[e.reason] += 1
@@ -643,9 +699,11 @@ class ZmqLearnerTransport(LearnerTransport):
                 continue
             while True:
                 try:
-                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    parts = _receive(sock, self.max_message_bytes, self.stats)
                 except zmq.Again:
                     break
+                if parts is None:
+                    continue
                 frames = parts if sock in self._dealers else parts[1:]  # past the topic
                 msg = _decode(frames, self.max_message_bytes, self.stats)
                 if isinstance(msg, GlobalFragment):
@@ -947,10 +1005,12 @@ class ZmqSyncerTransport(SyncerTransport):
             return out
         while len(out) < self.max_batch:
             try:
-                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = _receive(self._router, self.max_message_bytes, self.stats)
             except zmq.Again:
                 break
-            if len(parts) not in (2, 4):  # identity and one frame or three parts
+            if parts is None:
+                continue
+            if len(parts) < 2 or len(parts) == 3:  # identity, one frame or three parts
                 self.stats.rejected["bad_envelope"] += 1
                 continue
             identity = parts[0].bytes

@@ -427,6 +427,60 @@ def test_one_key_holds_a_few_learner_ids_and_one_slot(keys_dir: Path) -> None:
     assert {i for i in members.ids_of(key) if i.startswith("learner-")} == {"learner-5"}
 
 
+def test_fragments_cross_curve_in_frames_and_a_message_of_endless_parts_is_dropped(
+    keys_dir: Path,
+) -> None:
+    """Under CURVE a payload travels in 1 MiB frames (libzmq's encryption keeps
+    them in cache) and arrives whole, both ways. Attack: a peer that passed the
+    handshake (any CURVE key may, to enroll) sends one message of endless small
+    parts, each within MAXMSGSIZE: it is read frame by frame, dropped past the
+    bound and counted, and the next delta is taken."""
+    syncer, learner = keyed_pair(keys_dir, max_message_bytes=8 * 2**20)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    outsider = Identity.new()
+    dealer.curve_serverkey = RunKeys.load(keys_dir, "learner").curve_public
+    dealer.curve_publickey, dealer.curve_secretkey = outsider.public, outsider.secret
+    dealer.connect(syncer._router.getsockopt(zmq.LAST_ENDPOINT).decode())
+    try:
+        numel = 5 * 2**20 // 4 + 3  # 5 MiB and a ragged last frame
+        weights = torch.randn(numel).numpy().tobytes()
+        learner.send_delta(replace(delta("learner-0", 1, 0), numel=numel, payload=weights))
+        items: list = []
+
+        def got_delta() -> bool:
+            items.extend(syncer.receive(0.05))
+            learner.poll(0.01)
+            return any(isinstance(i.message, Delta) for i in items)
+
+        wait_until(got_delta, 15, what="the 5 MiB delta")
+        assert [bytes(i.message.payload) for i in items] == [weights]
+
+        def took_global() -> bool:
+            syncer.publish(replace(global_fragment(0, 1), numel=numel, payload=weights))
+            return any(bytes(g.payload) == weights for g in learner.poll(0.1))
+
+        wait_until(took_global, 15, what="a 5 MiB signed global")
+
+        for _ in range(100_000):
+            dealer.send(b"x" * 64, zmq.SNDMORE)
+        dealer.send(b"x")
+        wait_until(
+            lambda: syncer.receive(0.05) == [] and syncer.stats.rejected["too_large"] == 1,
+            30,
+            what="the endless message dropped",
+        )
+        items.clear()
+        learner.send_delta(delta("learner-0", 2, 1))
+        wait_until(got_delta, 15, what="the next delta")
+        assert syncer.stats.rejected["too_large"] == 1
+    finally:
+        dealer.close(linger=0)
+        ctx.destroy(linger=0)
+        learner.close()
+        syncer.close()
+
+
 def test_the_curve_key_rotates_while_syncer_and_learner_run(keys_dir: Path) -> None:
     """`ddiloco keys rotate-curve` on the run's folder: the syncer binds again with
     the new key, the learner (which re-reads the list) dials it, its deltas keep
