@@ -14,7 +14,7 @@ set -e
 keys=/home/ddiloco/keys
 if [ "$(id -u)" = 0 ] && [ -d /run/secrets ]; then
     install -d -m 700 -o ddiloco -g ddiloco "$keys"
-    for name in join.secret syncer.curve.pub signing.pub syncer.curve signing.key redis.syncer; do
+    for name in join.secret syncer.curve.pub signing.pub tls.ca.crt syncer.curve signing.key redis.syncer; do
         if [ -f "/run/secrets/$name" ]; then
             install -m 600 -o ddiloco -g ddiloco "/run/secrets/$name" "$keys/$name"
         fi

@@ -106,7 +106,8 @@ class Cluster:
 
 def redis_cli(container: str, auth: tuple[str, str], *args: str) -> Any:
     user, password = auth
-    cli = ["redis-cli", "--no-auth-warning", "--user", user, "--pass", password, "--json"]
+    cli = ["redis-cli", "--tls", "--cacert", "/run/secrets/tls.ca.crt", "--no-auth-warning",
+           "--user", user, "--pass", password, "--json"]  # fmt: skip
     return json.loads(run(["docker", "exec", container, *cli, *args]))
 
 
@@ -115,7 +116,7 @@ def probe_transfer(container: str, auth: tuple[str, str]) -> dict[str, float]:
     code = (
         "import json, os, time, redis\n"
         f"r = redis.Redis(host='redis', port=6379, socket_timeout=300, username={auth[0]!r},"
-        f" password={auth[1]!r})\n"
+        f" password={auth[1]!r}, ssl=True, ssl_ca_certs='/run/secrets/tls.ca.crt')\n"
         f"data = os.urandom({PROBE_BYTES})\n"
         "t = time.perf_counter(); r.set('throttle-probe', data); up = time.perf_counter() - t\n"
         "t = time.perf_counter(); got = r.get('throttle-probe'); down = time.perf_counter() - t\n"
@@ -141,6 +142,11 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
             what="3 learners leased and training",
         )
         TIMINGS["cluster_up_s"] = round(time.monotonic() - started, 1)
+        # Redis speaks TLS only: a client in the clear gets no answer at all,
+        # not even a refusal, and the services said nothing of the clear.
+        clear = run(["docker", "exec", redis_c, "sh", "-c", "redis-cli ping 2>&1 || true"])
+        assert "PONG" not in clear and "NOAUTH" not in clear, clear
+        assert "in the clear" not in run(["sh", "-c", f"docker logs {syncer_c} 2>&1"])
 
         # -- scaled to 4: a fourth slot and shard, without editing anything ---------
         cluster.compose("up", "-d", "--scale", "learner=4", "--no-recreate")
@@ -379,13 +385,13 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
         listed = run(["docker", "stack", "services", stack, "--format", "{{json .}}"])
         services = {json.loads(line)["Name"]: json.loads(line) for line in listed.splitlines()}
         assert services[f"{stack}_learner"]["Replicas"] == "2/2"
-        # The keys went as swarm secrets: the syncer's six, a learner's three.
+        # The keys went as swarm secrets: the syncer's seven, a learner's four.
         secrets = {s.name for s in client.secrets.list()}
         assert {f"{stack}_{name}" for name in ("join.secret", "signing.key")} <= secrets
         learner_spec = client.services.get(f"{stack}_learner").attrs["Spec"]
         given = learner_spec["TaskTemplate"]["ContainerSpec"].get("Secrets", [])
         assert sorted(s["File"]["Name"] for s in given) == [
-            "join.secret", "signing.pub", "syncer.curve.pub"
+            "join.secret", "signing.pub", "syncer.curve.pub", "tls.ca.crt"
         ]  # fmt: skip
     finally:
 
