@@ -30,6 +30,10 @@ token budget, so every comparison is like for like. Under chaos, data parallel
 is elastic as torchrun's restarts are: a killed rank stops the whole group,
 which starts again after ``--restart-s`` from rank 0's last checkpoint.
 
+``--join-at-step 0,0,100,100`` adds compute to a running job: learners 2 and 3
+start once a running learner has logged step 100, and enroll as any learner
+does (decoupled mode only).
+
 ``--warm-spares`` keeps one spare process per learner with its imports done;
 a killed learner restarts in it, so a restart does not wait for Python and torch.
 """
@@ -99,6 +103,7 @@ class LocalConfig:
     kill_syncer_at_s: float = 0.0  # SIGKILL the syncer once, this many s in; 0: never
     kill_learner_at_s: float = 0.0  # SIGKILL learner-0 once, this many s in; 0: never
     slowdown: tuple[float, ...] = ()  # per-learner step-time factors, e.g. 1,1,1.5,2; empty: 1
+    join_at_step: tuple[int, ...] = ()  # per learner: start once one reached this step; 0: at once
     no_progress: bool = False  # plain log lines instead of a live table
     netns: bool = False  # each learner in its own network namespace (root; ddiloco throttle)
     link_rate: str = ""  # with --netns: every learner's link limited from the start, e.g. 10mbit
@@ -109,6 +114,17 @@ class LocalConfig:
             raise ConfigError(f"mode={self.mode!r}: choose one of {list(MODES)}")
         if self.slowdown and (len(self.slowdown) != m or any(f < 1 for f in self.slowdown)):
             raise ConfigError(f"slowdown={self.slowdown}: give {m} factors >= 1, e.g. 1,1,1.5,2")
+        if self.join_at_step:
+            if len(self.join_at_step) != m or any(s < 0 for s in self.join_at_step):
+                raise ConfigError(
+                    f"join_at_step={self.join_at_step}: give {m} steps >= 0, e.g. 0,0,100,100"
+                )
+            if 0 not in self.join_at_step:
+                raise ConfigError(f"join_at_step={self.join_at_step}: one learner must start at 0")
+            if self.mode != "decoupled" and any(self.join_at_step):
+                # Synchronous DiLoCo waits for all M learners each round, and a data
+                # parallel group is fixed at its start: neither takes a newcomer.
+                raise ConfigError(f"join_at_step: mode={self.mode} cannot add learners mid-run")
         for name in ("chaos_mtbf_s", "restart_s", "kill_syncer_at_s", "kill_learner_at_s"):
             value = getattr(self, name)
             if not value >= 0:  # also refuses NaN
@@ -311,11 +327,14 @@ class LocalRun:
             self.evaluator.start(self.events)
             services = [self.syncer, self.evaluator]
         self.learners = [self.learner_proc(i) for i in range(self.m)]
-        for proc in self.learners:
+        join_at = cfg.join_at_step or (0,) * self.m
+        waiting = {i for i in range(self.m) if join_at[i]}  # newcomers, not started yet
+        running = [p for i, p in enumerate(self.learners) if i not in waiting]
+        for proc in running:
             proc.start(self.events)
         by_name = {p.name: p for p in self.learners + services}
         supervisor = Supervisor(
-            self.learners,
+            running,  # newcomers join it as they start
             services,
             self.events,
             restart_s=cfg.restart_s,
@@ -343,6 +362,7 @@ class LocalRun:
             else Live(view.table(), console=self.console, refresh_per_second=2)
         )
         last_line = 0.0
+        furthest_step = 0  # the most steps any learner has logged: newcomers start from it
         finished = False
         try:
             if live:
@@ -365,7 +385,14 @@ class LocalRun:
                     if victim is self.syncer:
                         victim.restart_at = now + cfg.restart_s
                 for name, tail in tails.items():
-                    view.update_learner(name, tail.read())
+                    for e in (new := tail.read()):
+                        if e.get("event") == "step":
+                            furthest_step = max(furthest_step, int(e["step"]))
+                    view.update_learner(name, new)
+                for i in sorted(i for i in waiting if furthest_step >= join_at[i]):
+                    waiting.remove(i)
+                    self.learners[i].start(self.events)
+                    running.append(self.learners[i])
                 for tail in service_tails:
                     view.update_syncer(tail.read())
                 view.kills = sum(p.kills for p in self.learners)

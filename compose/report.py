@@ -300,6 +300,34 @@ def goodput_breakdown(events: list[dict[str, Any]], mode: str, fragments: int) -
     }
 
 
+def merged_by_learner(events: list[dict[str, Any]], fragments: int) -> dict[str, dict[str, Any]]:
+    """Per learner whose deltas rounds merged: ``merged_tokens``, its share of
+    each round's tokens (split among the round's deltas by the steps each
+    covers) summed over rounds and divided by the P fragments, as goodput
+    counts them; and ``first_merge_s``, seconds from its first process start
+    to the first round that merged one of its deltas (None when the launcher
+    did not start it, e.g. a container)."""
+    started: dict[str, float] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e["event"] == "process_start":
+            started.setdefault(e["process"], e["t"])
+        elif e["event"] == "round" and e.get("spans"):
+            steps: dict[str, int] = {}
+            for learner, from_step, to_step in e["spans"]:
+                steps[learner] = steps.get(learner, 0) + max(0, to_step - from_step)
+            total = sum(steps.values())
+            for learner, n in steps.items():
+                mine = out.setdefault(learner, {"merged_tokens": 0.0, "first_merge_s": None})
+                if total:
+                    mine["merged_tokens"] += e["tokens"] * n / total / fragments
+                if mine["first_merge_s"] is None and learner in started:
+                    mine["first_merge_s"] = round(e["t"] - started[learner], 3)
+    for mine in out.values():
+        mine["merged_tokens"] = round(mine["merged_tokens"], 1)
+    return dict(sorted(out.items()))
+
+
 def summarise(
     events: list[dict[str, Any]],
     mode: str,
@@ -371,6 +399,7 @@ def summarise(
         "goodput_time": accounting["goodput_time"],
         "uptime": round(uptime, 4),
         "merged_tokens": accounting["useful_tokens"],
+        "merged_by_learner": merged_by_learner(events, fragments),
         "goodput_lost": accounting["lost"],
         "restart_to_train_s": [r["restart_to_train_s"] for r in accounting["restarts"]],
         "mean_steps_per_s": round(statistics.mean(statistics.median(r) for r in rates.values()), 3)

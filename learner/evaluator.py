@@ -56,18 +56,22 @@ class DeferredEvaluations:
         self._copies.append((taken_at, fields, path))
 
     def evaluate_all(
-        self, model: torch.nn.Module, evaluate: Callable[[torch.nn.Module], float], events: EventLog
+        self,
+        model: torch.nn.Module,
+        evaluation: Callable[[torch.nn.Module], dict[str, Any]],
+        events: EventLog,
     ) -> list[float]:
         """Evaluate every copy in ``model`` (restored afterwards) and write its
-        ``eval`` event at the time the copy was taken; returns the losses."""
+        ``eval`` event at the time the copy was taken; returns the losses.
+        ``evaluation``: the event's fields for a model (``Workload.evaluation``)."""
         current = [t.detach().clone() for t in model.state_dict().values()]
         losses = []
         for taken_at, fields, path in self._copies:
             _load(model, torch.load(path, weights_only=True))
             path.unlink()
-            loss = evaluate(model)
-            events.write_at(taken_at, "eval", loss=loss, deferred=True, **fields)
-            losses.append(loss)
+            result = evaluation(model)
+            events.write_at(taken_at, "eval", deferred=True, **result, **fields)
+            losses.append(result["loss"])
         _load(model, current)
         if self._copies:
             log.info("evaluated %d deferred copies of the model", len(self._copies))
@@ -88,7 +92,7 @@ class Evaluator:
         workload = load_workload(WorkloadContext(cfg.workload, eval=cfg.eval))
         if workload.evaluate is None:
             raise ConfigError(f"workload={cfg.workload.workload!r} has no evaluate function")
-        self._evaluate = workload.evaluate
+        self._evaluation = workload.evaluation
         self.model = workload.model
         self.plan = FragmentPlan.for_model(self.model, cfg.run.fragments, cfg.run.sync_every)
         self.params = synced_parameters(self.model)
@@ -134,9 +138,10 @@ class Evaluator:
         if self.deferred is not None and not final:
             self.deferred.keep(self.model, versions=versions, final=False)
             return None
-        loss = self._evaluate(self.model)
+        result = self._evaluation(self.model)
+        loss = result["loss"]
         self.losses.append(loss)
-        self.events.write("eval", loss=loss, versions=versions, final=final)
+        self.events.write("eval", versions=versions, final=final, **result)
         log.info("eval loss %.4f at versions %s", loss, versions)
         return loss
 
@@ -160,7 +165,7 @@ class Evaluator:
         except TransportError as e:
             log.warning("no final snapshot (%s); evaluating the last globals received", e)
         if self.deferred is not None:
-            self.losses += self.deferred.evaluate_all(self.model, self._evaluate, self.events)
+            self.losses += self.deferred.evaluate_all(self.model, self._evaluation, self.events)
         self.evaluate(final=True)
         self.transport.close()
         self.events.close()

@@ -21,7 +21,7 @@ every forward counts, training or evaluation.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -130,5 +130,21 @@ def training_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
 
 
 def moe_gpt(context: WorkloadContext) -> Workload:
-    """The byte GPT's data and evaluation, with the mixture-of-experts model."""
-    return byte_lm(context, MoEGPT(context.config.model), loss=training_loss)
+    """The byte GPT's data and evaluation, with the mixture-of-experts model. Each
+    evaluation logs ``expert_shares``: per layer, each expert's share of the
+    held-out tokens routed in it."""
+    workload = byte_lm(context, MoEGPT(context.config.model), loss=training_loss)
+    held_out_loss = workload.evaluate
+    assert held_out_loss is not None
+
+    def evaluate(model: nn.Module) -> float:
+        cast(MoEGPT, model).reset_expert_counts()  # count this evaluation's tokens only
+        return held_out_loss(model)
+
+    def expert_shares(model: nn.Module) -> dict[str, Any]:
+        shares = cast(MoEGPT, model).expert_shares().tolist()
+        return {"expert_shares": [[round(s, 4) for s in layer] for layer in shares]}
+
+    workload.evaluate = evaluate
+    workload.eval_report = expert_shares
+    return workload

@@ -141,16 +141,17 @@ class Learner:
         """Without a syncer (data parallel) the learner reports the held-out loss
         itself: at once, or with ``eval_deferred`` (except the final one) from a
         copy of the model, evaluated before the final one."""
-        evaluate = self.workload.evaluate
-        if self.sync.syncing or not self.group.leader or evaluate is None:
+        workload = self.workload
+        if self.sync.syncing or not self.group.leader or workload.evaluate is None:
             return
         if self.deferred is not None:
             if not final:
                 self.deferred.keep(self.model, step=step, tokens=self.sync.tokens)
                 return
-            self.deferred.evaluate_all(self.model, evaluate, self.events)
-        loss = evaluate(self.model)
-        self.events.write("eval", step=step, loss=loss, tokens=self.sync.tokens)
+            self.deferred.evaluate_all(self.model, workload.evaluation, self.events)
+        self.events.write(
+            "eval", step=step, tokens=self.sync.tokens, **workload.evaluation(self.model)
+        )
 
     def run(self) -> dict[str, Any]:
         cfg, sync, steps = self.cfg, self.sync, self.cfg.run.steps

@@ -50,6 +50,19 @@ class Workload:
     loss: Callable[[torch.nn.Module, Any], torch.Tensor]  # mean training loss of a batch
     weight: Callable[[Any], int]  # what a batch trains on: tokens, or samples
     evaluate: Callable[[torch.nn.Module], float] | None = None  # held-out loss
+    # Figures about the model that each evaluation logs beside its loss, taken
+    # right after ``evaluate`` (e.g. a mixture of experts' shares of the tokens).
+    eval_report: Callable[[torch.nn.Module], dict[str, Any]] | None = None
+
+    def evaluation(self, model: torch.nn.Module) -> dict[str, Any]:
+        """An ``eval`` event's fields for ``model``: its held-out ``loss`` and what
+        ``eval_report`` adds."""
+        if self.evaluate is None:
+            raise ConfigError("this workload has no evaluate function")
+        fields: dict[str, Any] = {"loss": self.evaluate(model)}
+        if self.eval_report is not None:
+            fields |= self.eval_report(model)
+        return fields
 
 
 def load_workload(context: WorkloadContext) -> Workload:

@@ -475,3 +475,18 @@ def test_data_parallel_takes_learner_chaos_but_has_no_syncer_to_kill() -> None:
     LocalConfig(mode="ddp", chaos_mtbf_s=15, kill_learner_at_s=4)  # elastic restarts
     with pytest.raises(ValueError, match=r"mode=ddp has no syncer.*--kill-syncer-at-s"):
         LocalConfig(mode="ddp", kill_syncer_at_s=5)
+
+
+def test_newcomers_join_a_decoupled_run_only_and_one_learner_starts_at_once() -> None:
+    from compose.local import LocalConfig
+    from broker.settings import RunSettings
+
+    run = RunSettings(learners=4)
+    LocalConfig(run=run, join_at_step=(0, 0, 100, 100))
+    with pytest.raises(ValueError, match="give 4 steps >= 0"):
+        LocalConfig(run=run, join_at_step=(0, 100))
+    with pytest.raises(ValueError, match="one learner must start at 0"):
+        LocalConfig(run=run, join_at_step=(5, 5, 5, 5))
+    with pytest.raises(ValueError, match="mode=diloco cannot add learners mid-run"):
+        LocalConfig(run=run, mode="diloco", join_at_step=(0, 0, 100, 100))
+    LocalConfig(run=run, mode="ddp", join_at_step=(0, 0, 0, 0))  # nobody late: fine

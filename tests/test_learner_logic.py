@@ -544,7 +544,7 @@ def test_deferred_evaluations_see_each_copy_at_its_time_and_restore_the_model(
     folder = deferred.folder
     assert len(list(folder.iterdir())) == 2
     events = EventLog(str(tmp_path / "events.jsonl"))
-    losses = deferred.evaluate_all(model, lambda m: float(m.weight.sum()), events)
+    losses = deferred.evaluate_all(model, lambda m: {"loss": float(m.weight.sum())}, events)
     assert list(folder.iterdir()) == []
     events.close()
     assert losses == [2.0, 4.0]  # each copy's weights, not the model's at the end
@@ -557,4 +557,4 @@ def test_deferred_evaluations_see_each_copy_at_its_time_and_restore_the_model(
     # Each event is dated when its copy was taken, not when it was evaluated.
     for event, start in zip(written, taken, strict=True):
         assert start <= event["t"] < start + 0.01
-    assert deferred.evaluate_all(model, lambda m: 0.0, events) == []  # evaluated once
+    assert deferred.evaluate_all(model, lambda m: {"loss": 0.0}, events) == []  # evaluated once

@@ -104,6 +104,14 @@ def test_the_workload_trains_with_the_balancing_loss() -> None:
         opt.zero_grad()
     assert workload.evaluate(model) < before - 1.0
     torch.testing.assert_close(model.expert_shares().sum(dim=1), torch.ones(TINY.n_layer))
+    # An evaluation's event carries each layer's shares of the held-out tokens,
+    # counted from that evaluation alone (training's routing is not in them).
+    fields = workload.evaluation(model)
+    assert set(fields) == {"loss", "expert_shares"}
+    assert int(sum(block.routed.sum() for block in model.moe_blocks())) == (
+        TOP_K * 2 * 8 * TINY.seq_len * TINY.n_layer  # 2 batches of 8 sequences
+    )
+    assert [round(sum(layer), 3) for layer in fields["expert_shares"]] == [1.0] * TINY.n_layer
 
 
 @pytest.mark.e2e

@@ -14,6 +14,7 @@ from compose.report import (
     eval_curve,
     goodput_breakdown,
     load_events,
+    merged_by_learner,
     plot_run,
     summarise,
 )
@@ -455,3 +456,22 @@ def test_a_warm_spare_has_no_imports_left() -> None:
             e["imported"] = 3.0
     (restart,) = goodput_breakdown(events, "decoupled", fragments=1)["restarts"]
     assert (restart["imports_s"], restart["process_start_s"]) == (0.0, 2.0)
+
+
+def test_merged_tokens_are_shared_by_the_steps_each_delta_covers() -> None:
+    events: list[Event] = [
+        {"t": 0.0, "event": "process_start", "process": "learner-0"},
+        {"t": 5.0, "event": "process_start", "process": "learner-1"},
+        # Fragment 0: learner-0's 10 steps alone; fragment 1: with learner-1's 30.
+        {"t": 6.0, "event": "round", "tokens": 1000, "spans": [["learner-0", 0, 10]]},
+        {"t": 9.5, "event": "round", "tokens": 4000,
+         "spans": [["learner-0", 0, 10], ["learner-1", 0, 30]]},
+        {"t": 10.0, "event": "round", "tokens": 500, "spans": [["learner-2", 4, 9]]},
+    ]  # fmt: skip
+    merged = merged_by_learner(events, fragments=2)
+    assert merged == {
+        "learner-0": {"merged_tokens": (1000 + 4000 * 10 / 40) / 2, "first_merge_s": 6.0},
+        "learner-1": {"merged_tokens": 4000 * 30 / 40 / 2, "first_merge_s": 4.5},
+        # Not started by the launcher (a container): no start to count from.
+        "learner-2": {"merged_tokens": 500 / 2, "first_merge_s": None},
+    }
