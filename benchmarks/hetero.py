@@ -2,6 +2,7 @@
 learners at speeds 1, 1, 1/2 and 1/4, on paired seeds.
 
     python -m benchmarks.hetero [--smoke | --quick] [--out benchmarks/results/hetero]
+                                [--quality-out benchmarks/results/quality]
                                 [-- extra ddiloco local arguments]
 
 Every run is ``ddiloco local --slowdown 1,1,2,4``: each learner's step lasts
@@ -13,7 +14,9 @@ round waits for the slowest learner); ``ddp`` (data parallel: each step does).
 
 The target of a seed is the final held-out loss of ``reference``: the same
 synchronous DiLoCo with every learner at full speed (``benchmarks.wan``'s
-diloco system, unthrottled). Per system and seed the JSON gives the wall
+diloco system, unthrottled), which is ``benchmarks.quality``'s reference run:
+taken from its folder (``--quality-out``) when it holds it with today's
+settings, else run there. Per system and seed the JSON gives the wall
 seconds from the learners' start to the target, read off the held-out loss
 curve (None: not reached by the end); the tokens the global model merged per
 learner; goodput; and the held-out loss at equal tokens (each curve read at the
@@ -27,8 +30,9 @@ sooner than synchronous DiLoCo, and its loss at equal tokens is within 1% of
 synchronous DiLoCo's (mean over seeds), or within two standard errors of the
 paired differences.
 
-full: M = 4, 300 steps, seeds 0-2 (12 runs); ``--quick``: seed 0 only;
-``--smoke`` (CI): M = 2 at speeds 1 and 1/2, a tiny model, 12 steps. Each
+full: M = 4, 300 steps, seeds 0-2 (9 runs and 3 references); ``--quick``:
+seed 0 only; ``--smoke`` (CI): ``benchmarks.quality``'s smoke settings (M = 2,
+a tiny model, 20 steps) at speeds 1 and 1/2. Each
 finished run is kept (``run-seed<S>-<system>.json``) and not repeated on a
 rerun unless a setting it ran with changed. Writes ``hetero-<mode>.json`` and
 ``hetero-<mode>.png``.
@@ -43,9 +47,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import quality
 from benchmarks.local_run import local_run
 from benchmarks.quality import SYSTEMS as QUALITY_SYSTEMS
-from benchmarks.quality import TINY, relative_gaps
+from benchmarks.quality import relative_gaps
 from benchmarks.wan import first_reach
 from compose.reporter import read_jsonl
 
@@ -55,11 +60,12 @@ SYSTEMS: dict[str, list[str]] = {
     "ddp": QUALITY_SYSTEMS["ddp"],
 }
 REFERENCE = "reference"  # synchronous DiLoCo at full speed: the target's run
+# quality's settings (learners, steps, model), whose reference runs are the targets.
 MODES: dict[str, dict[str, Any]] = {
-    "smoke": {"learners": 2, "steps": 12, "slowdown": "1,2", "seeds": [0], "extra": TINY},
-    "quick": {"learners": 4, "steps": 300, "slowdown": "1,1,2,4", "seeds": [0], "extra": []},
-    "full": {"learners": 4, "steps": 300, "slowdown": "1,1,2,4", "seeds": [0, 1, 2], "extra": []},
-}  # fmt: skip
+    "smoke": quality.MODES["smoke"] | {"slowdown": "1,2"},
+    "quick": quality.MODES["quick"] | {"slowdown": "1,1,2,4"},
+    "full": quality.MODES["full"] | {"slowdown": "1,1,2,4", "seeds": [0, 1, 2]},
+}
 TARGETS = {"speedup_vs_diloco": 2.0, "loss_gap_at_equal_tokens": 0.01}
 EVAL_EVERY_S = 4.0  # the evaluator's period: fine enough to time the target
 
@@ -67,15 +73,12 @@ EVAL_EVERY_S = 4.0  # the evaluator's period: fine enough to time the target
 def run_once(
     out: Path, mode: dict[str, Any], system: str, seed: int, extra: list[str]
 ) -> dict[str, Any]:
-    """One run of one system (or the reference) on one seed, or its stored result."""
+    """One run of one system with the mode's slowdown on one seed, or its stored result."""
     args = [
-        *(QUALITY_SYSTEMS["reference"] if system == REFERENCE else SYSTEMS[system]),
-        "--learners", str(mode["learners"]), "--steps", str(mode["steps"]),
+        *SYSTEMS[system], "--learners", str(mode["learners"]), "--steps", str(mode["steps"]),
         "--seed", str(seed), "--eval-every-s", str(EVAL_EVERY_S), "--eval-deferred",
-        *mode["extra"], *extra,
+        "--slowdown", mode["slowdown"], *mode["extra"], *extra,
     ]  # fmt: skip
-    if system != REFERENCE:
-        args += ["--slowdown", mode["slowdown"]]
 
     def describe(folder: Path, summary: dict[str, Any]) -> dict[str, Any]:
         events = read_jsonl(folder / "metrics.jsonl")
@@ -122,7 +125,7 @@ def summarise(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
     per_system: dict[str, Any] = {}
     at_equal: dict[str, dict[int, float]] = {s: {} for s in SYSTEMS}
     for seed in seeds:
-        target = by[(REFERENCE, seed)]["final_eval_loss"]
+        target = by[(REFERENCE, seed)]["final_eval_loss"]  # quality's reference run
         equal_tokens = min(by[(s, seed)]["tokens"] for s in SYSTEMS)
         for system in SYSTEMS:
             run = by[(system, seed)]
@@ -165,7 +168,7 @@ def summarise(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     which = ap.add_mutually_exclusive_group()
-    which.add_argument("--smoke", action="store_true", help="CI: M=2, tiny model, 12 steps")
+    which.add_argument("--smoke", action="store_true", help="CI: quality's smoke settings, speeds 1 and 1/2")
     which.add_argument("--quick", action="store_true", help="the full settings, seed 0 only")
     ap.add_argument(
         "--out",
@@ -173,17 +176,28 @@ def main(argv: list[str] | None = None) -> int:
         help="a folder: the summary JSON and PNG go in it, and each finished run in "
         "its mode's subfolder, from which a rerun resumes",
     )
+    ap.add_argument(
+        "--quality-out",
+        default="benchmarks/results/quality",
+        help="benchmarks.quality's folder: the reference runs",
+    )
     ap.add_argument("extra", nargs="*", help="arguments passed to every ddiloco local run")
     args = ap.parse_args(argv)
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     mode = MODES[name]
     out = Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
-    runs = [
-        run_once(out, mode, system, seed, args.extra)
-        for seed in mode["seeds"]
-        for system in (REFERENCE, *SYSTEMS)
-    ]
+    # The references live in quality's folder for its mode of the same settings.
+    quality_mode = "smoke" if name == "smoke" else "full"
+    reference_out = Path(args.quality_out) / quality_mode
+    reference_out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for seed in mode["seeds"]:
+        reference = quality.run_once(
+            reference_out, quality.MODES[quality_mode], REFERENCE, seed, args.extra
+        )
+        runs.append(reference | {"system": REFERENCE})
+        runs += [run_once(out, mode, system, seed, args.extra) for system in SYSTEMS]
     result: dict[str, Any] = {
         "benchmark": "hetero",
         "mode": name,

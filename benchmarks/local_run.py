@@ -27,8 +27,9 @@ from broker.cli_config import (
 )
 from compose.local import LocalConfig
 
-# Not the run's settings: where it writes, and how it shows progress.
-_NOT_SETTINGS = ("out", "no_progress")
+# Not settings of what a run computes: where it writes, how it shows progress,
+# and its keys and metrics port (they authenticate and encrypt, or bind).
+_NOT_SETTINGS = ("out", "no_progress", "keys", "insecure", "metrics_host")
 # The run settings only DiLoCo's modes read (data parallel has no syncer, fragments
 # or codecs), so that changing one of them does not rerun data parallel.
 _DILOCO_RUN_SETTINGS = (
@@ -49,6 +50,16 @@ def resolved_settings(args: list[str]) -> dict[str, str]:
     return {k: flag_text(v) for k, v in dataclass_values(cfg).items() if k not in unused}
 
 
+def same_settings(stored: dict[str, str], now: dict[str, str]) -> bool:
+    """Whether a stored run ran with today's settings. A setting the stored run
+    does not name did not exist when it ran: it matches at today's default (what
+    a new setting's default must keep: the behaviour before it)."""
+    defaults = resolved_settings([])
+    return all(
+        stored.get(k, defaults.get(k)) == now.get(k, defaults.get(k)) for k in {*stored, *now}
+    )
+
+
 def local_run(
     result_path: Path,
     args: list[str],
@@ -60,7 +71,7 @@ def local_run(
     settings = resolved_settings(args)
     if result_path.exists():
         done: dict[str, Any] = json.loads(result_path.read_text())
-        if done.get("settings") == settings:
+        if same_settings(done.get("settings", {}), settings):
             return done
         print(f"{result_path}: settings changed since it ran; running it again", flush=True)
     folder = result_path.with_suffix("")

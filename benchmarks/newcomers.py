@@ -60,9 +60,7 @@ def run_once(out: Path, mode: dict[str, Any], name: str, extra: list[str]) -> di
         newcomers = late if name == "joining" else []
         for n in newcomers:  # the launcher kept them back until the step was reached
             began = next(e["t"] for e in events if e.get("process") == n)
-            due = min(
-                e["t"] for e in events if e["event"] == "step" and e["step"] >= max(join_at)
-            )
+            due = min(e["t"] for e in events if e["event"] == "step" and e["step"] >= max(join_at))
             if began < due:
                 raise RuntimeError(f"{folder}: {n} started before step {max(join_at)}")
         total = sum(v["merged_tokens"] for v in merged.values())
