@@ -168,7 +168,7 @@ def summarise(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     which = ap.add_mutually_exclusive_group()
-    which.add_argument("--smoke", action="store_true", help="CI: quality's smoke settings, speeds 1 and 1/2")
+    which.add_argument("--smoke", action="store_true", help="CI: quality's smoke, speeds 1, 1/2")
     which.add_argument("--quick", action="store_true", help="the full settings, seed 0 only")
     ap.add_argument(
         "--out",

@@ -113,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, (cls, text) in (SERVICES | TOOLS).items():
             add_dataclass_args(sub.add_parser(name, help=text), cls)
         keys = sub.add_parser("keys", help="make a run's keys; revoke a learner; rotate keys")
-        keys.add_argument("action", nargs="?", default="make", choices=KEY_ACTIONS)
-        keys.add_argument("learner_id", nargs="?", help="the learner to revoke")
+        keys.add_argument(
+            "action", nargs="?", default="make", choices=KEY_ACTIONS,
+            help="make the keys; revoke LEARNER_ID; rotate the signing key; rotate-curve the "
+            "syncers' CURVE key; rotate-tls the Redis server's certificate",
+        )  # fmt: skip
+        keys.add_argument("learner_id", nargs="?", help="revoke: the learner to shut out")
         keys.add_argument("--keys", default=RunSettings.keys, help="the run's key folder")
         keys.add_argument("--force", action="store_true", help="make: replace existing keys")
         throttle = sub.add_parser("throttle", help="rate limits on learners' links (tc tbf)")

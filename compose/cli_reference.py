@@ -84,7 +84,10 @@ def ddiloco_parser() -> argparse.ArgumentParser:
 def _row(action: argparse.Action) -> Row:
     text = (action.help or "").replace("%%", "%")
     boolean = action.nargs == "?" and action.const is True
-    option = ", ".join(action.option_strings)
+    # A positional argument by its name, with its choices where it has them.
+    option = ", ".join(action.option_strings) or action.dest.upper()
+    if not action.option_strings and action.choices:
+        text = "one of " + ", ".join(map(str, action.choices)) + (f": {text}" if text else "")
     m = _ENV.match(text)
     if m is None:  # not a config field (--log-level): argparse's own default
         shown = None

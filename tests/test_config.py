@@ -478,8 +478,8 @@ def test_data_parallel_takes_learner_chaos_but_has_no_syncer_to_kill() -> None:
 
 
 def test_newcomers_join_a_decoupled_run_only_and_one_learner_starts_at_once() -> None:
-    from compose.local import LocalConfig
     from broker.settings import RunSettings
+    from compose.local import LocalConfig
 
     run = RunSettings(learners=4)
     LocalConfig(run=run, join_at_step=(0, 0, 100, 100))
