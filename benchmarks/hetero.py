@@ -247,9 +247,9 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     systems = list(result["systems"])
     means = [result["systems"][s]["mean_time_to_target_s"] or 0 for s in systems]
     times.bar(systems, means)
-    times.set_ylabel("seconds to the target (mean over seeds; 0: not reached)")
+    times.set_ylabel("s to the target, mean (0: not reached)")
     times.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"speeds 1/x for x in {result['settings']['slowdown']}")
+    fig.suptitle(f"learners slowed {result['settings']['slowdown']}x")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
