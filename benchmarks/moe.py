@@ -166,10 +166,12 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     width = 0.8 / len(layers)
     for i, layer in enumerate(layers):
         shares.bar([e + i * width for e in range(len(layer))], layer, width, label=f"layer {i}")
+    middle = width * (len(layers) - 1) / 2
+    shares.set_xticks([e + middle for e in range(len(layers[0]))], range(len(layers[0])))
     shares.axhline(TARGETS["min_expert_share"], color="red", ls="--", label="10%")
     shares.set_xlabel(f"expert ({run}, final evaluation)")
     shares.set_ylabel("share of the held-out tokens")
-    shares.legend()
+    shares.legend(loc="lower right")
     shares.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
