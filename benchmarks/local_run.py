@@ -56,7 +56,8 @@ def same_settings(stored: dict[str, str], now: dict[str, str]) -> bool:
     a new setting's default must keep: the behaviour before it)."""
     defaults = resolved_settings([])
     return all(
-        stored.get(k, defaults.get(k)) == now.get(k, defaults.get(k)) for k in {*stored, *now}
+        stored.get(k, defaults.get(k)) == now.get(k, defaults.get(k))
+        for k in {*stored, *now} - set(_NOT_SETTINGS)  # a run stored when they were
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.local_run import local_run, resolved_settings
+from benchmarks.local_run import local_run, resolved_settings, same_settings
 from benchmarks.quality import relative_gaps
 
 
@@ -50,3 +50,13 @@ def test_a_stored_run_is_reused_only_with_the_same_settings(tmp_path: Path) -> N
         raise AssertionError("a run with the same settings ran again")
 
     assert local_run(stored, args, never)["final_eval_loss"] == 2.0
+
+
+def test_a_setting_a_stored_run_does_not_name_matches_at_its_default() -> None:
+    now = resolved_settings(["--seed", "3"])
+    older = {k: v for k, v in now.items() if k != "join_at_step"}  # before the setting existed
+    assert same_settings(older, now)
+    assert not same_settings(older, resolved_settings(["--seed", "3", "--join-at-step", "0,0,5,5"]))
+    assert not same_settings(older, resolved_settings(["--seed", "4"]))
+    # Keys authenticate, they change nothing computed: a run stored with them matches.
+    assert same_settings(older | {"keys": "/elsewhere", "insecure": "true"}, now)
