@@ -52,6 +52,7 @@ from benchmarks.local_run import local_run
 from benchmarks.quality import SYSTEMS as QUALITY_SYSTEMS
 from benchmarks.quality import relative_gaps
 from benchmarks.wan import first_reach
+from compose.report import eval_curve_seconds
 from compose.reporter import read_jsonl
 
 SYSTEMS: dict[str, list[str]] = {
@@ -81,9 +82,6 @@ def run_once(
     ]  # fmt: skip
 
     def describe(folder: Path, summary: dict[str, Any]) -> dict[str, Any]:
-        events = read_jsonl(folder / "metrics.jsonl")
-        learners_start = min(e["t"] for e in events if e["event"] == "start")
-        evals = [e for e in events if e["event"] == "eval"]
         if system == "ddp":  # one group: every rank's tokens reach the model every step
             merged = {
                 f"learner-{i}": summary["tokens_total"] / mode["learners"]
@@ -100,7 +98,7 @@ def run_once(
             "goodput": summary["goodput"],
             "merged_tokens_by_learner": merged,
             "curve_tokens": summary["eval_curve"],
-            "curve_seconds": [(e["t"] - learners_start, e["loss"]) for e in evals],
+            "curve_seconds": eval_curve_seconds(read_jsonl(folder / "metrics.jsonl")),
         }
 
     return local_run(out / f"run-seed{seed}-{system}.json", args, describe)
@@ -176,26 +174,17 @@ def main(argv: list[str] | None = None) -> int:
         help="a folder: the summary JSON and PNG go in it, and each finished run in "
         "its mode's subfolder, from which a rerun resumes",
     )
-    ap.add_argument(
-        "--quality-out",
-        default="benchmarks/results/quality",
-        help="benchmarks.quality's folder: the reference runs",
-    )
+    quality.add_shared_runs_argument(ap, "the reference runs")
     ap.add_argument("extra", nargs="*", help="arguments passed to every ddiloco local run")
     args = ap.parse_args(argv)
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     mode = MODES[name]
     out = Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
-    # The references live in quality's folder for its mode of the same settings.
-    quality_mode = "smoke" if name == "smoke" else "full"
-    reference_out = Path(args.quality_out) / quality_mode
-    reference_out.mkdir(parents=True, exist_ok=True)
+    reference_out, reference_mode = quality.shared_runs(args.quality_out, name)
     runs = []
     for seed in mode["seeds"]:
-        reference = quality.run_once(
-            reference_out, quality.MODES[quality_mode], REFERENCE, seed, args.extra
-        )
+        reference = quality.run_once(reference_out, reference_mode, REFERENCE, seed, args.extra)
         runs.append(reference | {"system": REFERENCE})
         runs += [run_once(out, mode, system, seed, args.extra) for system in SYSTEMS]
     result: dict[str, Any] = {

@@ -81,21 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a folder: the summary JSON and PNG go in it, and each mixture run in "
         "its mode's subfolder, from which a rerun resumes",
     )
-    ap.add_argument(
-        "--quality-out",
-        default="benchmarks/results/quality",
-        help="benchmarks.quality's folder: the dense runs",
-    )
+    quality.add_shared_runs_argument(ap, "the dense runs")
     ap.add_argument("extra", nargs="*", help="arguments passed to every ddiloco local run")
     args = ap.parse_args(argv)
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     mode = MODES[name]
     out = Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
-    # The dense runs live in quality's folder for its mode of the same settings.
-    dense_out = Path(args.quality_out) / ("smoke" if name == "smoke" else "full")
-    dense_out.mkdir(parents=True, exist_ok=True)
-    dense_mode = quality.MODES["smoke" if name == "smoke" else "full"]
+    dense_out, dense_mode = quality.shared_runs(args.quality_out, name)
     moe = [run_moe(out, mode, s, seed, args.extra) for seed in mode["seeds"] for s in SYSTEMS]
     dense = [
         quality.run_once(dense_out, dense_mode, s, seed, args.extra)

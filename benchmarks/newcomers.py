@@ -31,6 +31,7 @@ from typing import Any
 
 from benchmarks.local_run import local_run
 from benchmarks.quality import TINY
+from compose.report import eval_curve_seconds
 from compose.reporter import read_jsonl
 
 MODES: dict[str, dict[str, Any]] = {
@@ -54,13 +55,13 @@ def run_once(out: Path, mode: dict[str, Any], name: str, extra: list[str]) -> di
 
     def describe(folder: Path, summary: dict[str, Any]) -> dict[str, Any]:
         events = read_jsonl(folder / "metrics.jsonl")
-        learners_start = min(e["t"] for e in events if e["event"] == "start")
         merged = summary["merged_by_learner"]
         late = [f"learner-{i}" for i, step in enumerate(join_at) if step]
         newcomers = late if name == "joining" else []
-        for n in newcomers:  # the launcher kept them back until the step was reached
-            began = next(e["t"] for e in events if e.get("process") == n)
+        if newcomers:  # the launcher kept them back until the step was reached
             due = min(e["t"] for e in events if e["event"] == "step" and e["step"] >= max(join_at))
+        for n in newcomers:
+            began = next(e["t"] for e in events if e.get("process") == n)
             if began < due:
                 raise RuntimeError(f"{folder}: {n} started before step {max(join_at)}")
         total = sum(v["merged_tokens"] for v in merged.values())
@@ -85,9 +86,7 @@ def run_once(out: Path, mode: dict[str, Any], name: str, extra: list[str]) -> di
                 else None
             ),
             "curve_tokens": summary["eval_curve"],
-            "curve_seconds": [
-                (e["t"] - learners_start, e["loss"]) for e in events if e["event"] == "eval"
-            ],
+            "curve_seconds": eval_curve_seconds(events),
         }
 
     return local_run(out / f"run-{name}.json", args, describe)

@@ -59,6 +59,25 @@ MODES: dict[str, dict[str, Any]] = {
 TARGETS = {"decoupling_cost_mean": 0.01, "gap_to_ddp": 0.141}
 
 
+def add_shared_runs_argument(ap: argparse.ArgumentParser, what: str) -> None:
+    """``--quality-out``: this benchmark's folder, for another that reuses its runs."""
+    ap.add_argument(
+        "--quality-out",
+        default="benchmarks/results/quality",
+        help=f"benchmarks.quality's folder: {what}",
+    )
+
+
+def shared_runs(quality_out: str, mode: str) -> tuple[Path, dict[str, Any]]:
+    """The folder and settings of this benchmark's runs that another benchmark's
+    ``mode`` reuses: the smoke runs for a smoke, else the full runs (quick is
+    their first seed)."""
+    name = "smoke" if mode == "smoke" else "full"
+    folder = Path(quality_out) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder, MODES[name]
+
+
 def run_once(
     out: Path,
     mode: dict[str, Any],

@@ -119,6 +119,12 @@ def eval_curve(events: list[dict[str, Any]]) -> list[tuple[int, float]]:
     ]
 
 
+def eval_curve_seconds(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(seconds from the first learner's start, held-out loss) per evaluation."""
+    learners_start = min(e["t"] for e in events if e["event"] == "start")
+    return [(e["t"] - learners_start, float(e["loss"])) for e in events if e["event"] == "eval"]
+
+
 # Why a learner's time in its goodput window was not spent on kept steps, in the
 # order a restart goes through them (see goodput_breakdown).
 LOSS_CAUSES = ("restart_delay", "process_start", "join", "progress_lost")

@@ -12,6 +12,7 @@ from compose.report import (
     _intervals,
     _union_length,
     eval_curve,
+    eval_curve_seconds,
     goodput_breakdown,
     load_events,
     merged_by_learner,
@@ -475,3 +476,13 @@ def test_merged_tokens_are_shared_by_the_steps_each_delta_covers() -> None:
         # Not started by the launcher (a container): no start to count from.
         "learner-2": {"merged_tokens": 500 / 2, "first_merge_s": None},
     }
+
+
+def test_the_seconds_curve_counts_from_the_first_learner_start() -> None:
+    events: list[Event] = [
+        {"t": 100.0, "event": "eval", "loss": 5.5},  # the initial model, before any start
+        {"t": 102.0, "event": "start", "learner": "learner-1"},
+        {"t": 101.0, "event": "start", "learner": "learner-0"},
+        {"t": 111.0, "event": "eval", "loss": 3.0},
+    ]
+    assert eval_curve_seconds(events) == [(-1.0, 5.5), (10.0, 3.0)]
