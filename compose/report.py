@@ -311,13 +311,18 @@ def merged_by_learner(events: list[dict[str, Any]], fragments: int) -> dict[str,
     each round's tokens (split among the round's deltas by the steps each
     covers) summed over rounds and divided by the P fragments, as goodput
     counts them; and ``first_merge_s``, seconds from its first process start
-    to the first round that merged one of its deltas (None when the launcher
-    did not start it, e.g. a container)."""
+    to the first round that merged one of its deltas. A learner the launcher
+    did not start (a container) counts from its first process's imports done
+    (its first ``ready`` event's ``imported``): the interpreter's own start,
+    and the container's, came a few seconds before."""
     started: dict[str, float] = {}
+    imported: dict[str, float] = {}
     out: dict[str, dict[str, Any]] = {}
     for e in events:
         if e["event"] == "process_start":
             started.setdefault(e["process"], e["t"])
+        elif e["event"] == "ready" and "learner" in e:
+            imported.setdefault(e["learner"], float(e.get("imported", e["t"])))
         elif e["event"] == "round" and e.get("spans"):
             steps: dict[str, int] = {}
             for learner, from_step, to_step in e["spans"]:
@@ -327,8 +332,9 @@ def merged_by_learner(events: list[dict[str, Any]], fragments: int) -> dict[str,
                 mine = out.setdefault(learner, {"merged_tokens": 0.0, "first_merge_s": None})
                 if total:
                     mine["merged_tokens"] += e["tokens"] * n / total / fragments
-                if mine["first_merge_s"] is None and learner in started:
-                    mine["first_merge_s"] = round(e["t"] - started[learner], 3)
+                since = started.get(learner, imported.get(learner))
+                if mine["first_merge_s"] is None and since is not None:
+                    mine["first_merge_s"] = round(e["t"] - since, 3)
     for mine in out.values():
         mine["merged_tokens"] = round(mine["merged_tokens"], 1)
     return dict(sorted(out.items()))

@@ -468,13 +468,17 @@ def test_merged_tokens_are_shared_by_the_steps_each_delta_covers() -> None:
         {"t": 9.5, "event": "round", "tokens": 4000,
          "spans": [["learner-0", 0, 10], ["learner-1", 0, 30]]},
         {"t": 10.0, "event": "round", "tokens": 500, "spans": [["learner-2", 4, 9]]},
+        # A container's learner: from its imports done.
+        {"t": 11.0, "event": "ready", "learner": "learner-3", "imported": 10.5},
+        {"t": 13.0, "event": "round", "tokens": 800, "spans": [["learner-3", 0, 4]]},
     ]  # fmt: skip
     merged = merged_by_learner(events, fragments=2)
     assert merged == {
         "learner-0": {"merged_tokens": (1000 + 4000 * 10 / 40) / 2, "first_merge_s": 6.0},
         "learner-1": {"merged_tokens": 4000 * 30 / 40 / 2, "first_merge_s": 4.5},
-        # Not started by the launcher (a container): no start to count from.
+        # Neither started by the launcher nor ready: no start to count from.
         "learner-2": {"merged_tokens": 500 / 2, "first_merge_s": None},
+        "learner-3": {"merged_tokens": 800 / 2, "first_merge_s": 2.5},
     }
 
 
