@@ -107,9 +107,17 @@ class RoundCloser:
         self.publish(p)
         self.crash_point("before_ack")
         self._answer(result.refs, result.refused)
-        sync_s = self.clock() - started
+        done = self.clock()
+        sync_s = done - started
         state.round_done(sync_s, quorum)
-        timings = {"quorum_s": quorum_s, "grace_s": grace_s, "sync_s": sync_s}
+        # The round's latency as learners see it: from its K-th delta to its global.
+        latency_s = None if reached is None else done - reached
+        timings = {
+            "quorum_s": quorum_s,
+            "grace_s": grace_s,
+            "sync_s": sync_s,
+            "quorum_to_publish_s": latency_s,
+        }
         self.metrics.round(p, result, quorum, timings)
 
     def republish_idle(self, now: float, period_s: float) -> None:

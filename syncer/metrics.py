@@ -97,8 +97,8 @@ class SyncerMetrics:
     def round(
         self, fragment: int, result: RoundResult, quorum: int, timings: dict[str, float | None]
     ) -> None:
-        """A published round; ``timings``: its sync_s, grace_s and quorum_s (None
-        when it closed before quorum)."""
+        """A published round; ``timings``: its sync_s, grace_s, quorum_s and
+        quorum_to_publish_s (the last two None when it closed before quorum)."""
         p = self.prometheus
         self.rounds += 1
         self.deltas_applied += result.included
