@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from broker.errors import ConfigError
-from broker.wire import FRAME_PREFIX_BYTES, MAX_HEADER_BYTES
+from broker.wire import DEFAULT_MAX_PAYLOAD_BYTES, FRAME_PREFIX_BYTES, MAX_HEADER_BYTES
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,25 @@ class FragmentPlan:
         if len(set(names)) != len(names):
             raise ConfigError("parameter names must be unique")
         owner = assign_fragments([s.nbytes for s in specs], num_fragments)
-        return cls(tuple(specs), tuple(owner), num_fragments, sync_every)
+        plan = cls(tuple(specs), tuple(owner), num_fragments, sync_every)
+        plan.check_fp32_fits()
+        return plan
+
+    def check_fp32_fits(self) -> None:
+        """Every fragment must fit one message in fp32 (a snapshot, which any
+        learner may ask for): :class:`ConfigError` at the plan's making, naming
+        the fragment and the fragments that would do, rather than a refused
+        message mid-run."""
+        for p in range(self.num_fragments):
+            fp32_bytes = 4 * self.fragment_numel(p)
+            if fp32_bytes > DEFAULT_MAX_PAYLOAD_BYTES:
+                at_least = math.ceil(4 * self.total_numel / DEFAULT_MAX_PAYLOAD_BYTES)
+                raise ConfigError(
+                    f"fragment {p} holds {self.fragment_numel(p):,} values, "
+                    f"{fp32_bytes / 2**20:,.0f} MiB in fp32: over the "
+                    f"{DEFAULT_MAX_PAYLOAD_BYTES // 2**20} MiB one message carries; cut the "
+                    f"model into more fragments (--fragments, at least {at_least})"
+                )
 
     @classmethod
     def for_model(
@@ -189,7 +208,9 @@ class FragmentPlan:
             raise ConfigError(f"not a fragment plan: P={num_fragments}, H={sync_every}")
         if len({s.name for s in specs}) != len(specs) or set(owner) != set(range(num_fragments)):
             raise ConfigError("not a fragment plan: duplicate names or an empty fragment")
-        return cls(specs, owner, num_fragments, sync_every)
+        plan = cls(specs, owner, num_fragments, sync_every)
+        plan.check_fp32_fits()
+        return plan
 
     @property
     def plan_hash(self) -> str:

@@ -81,6 +81,28 @@ def warn_without_aof(client: redis.Redis, consumer: str) -> None:
         )
 
 
+REDIS_DEFAULT_BULK_BYTES = 512 * 2**20  # redis's proto-max-bulk-len unless configured
+
+
+def check_value_limit(client: redis.Redis, max_message_bytes: int) -> None:
+    """Fail at start when the run's largest message (its largest fragment in
+    fp32: a snapshot key's value) is over the largest value this Redis takes
+    (``proto-max-bulk-len``; its default when CONFIG is denied or Redis is
+    not up yet), rather than on the first publish of that snapshot."""
+    try:
+        reply = cast(dict[Any, Any], client.config_get("proto-max-bulk-len"))
+        limit = int(to_str(next(iter(reply.values()))))
+    except Exception:  # denied by an ACL, renamed, or not up: its default
+        limit = REDIS_DEFAULT_BULK_BYTES
+    if max_message_bytes > limit:
+        raise ConfigError(
+            f"this run's largest message is {max_message_bytes / 2**20:,.1f} MiB (its largest "
+            f"fragment in fp32, as a snapshot); this redis takes values of at most "
+            f"{limit / 2**20:,.1f} MiB (proto-max-bulk-len): cut the model into more "
+            "fragments (--fragments) or raise proto-max-bulk-len"
+        )
+
+
 def _check_syncer_user(client: redis.Redis, url: str) -> None:
     """Fail at start, saying why, when Redis knows the syncers' user by another
     password (it holds another key folder's users); a Redis not up yet is
@@ -155,6 +177,7 @@ class RedisSyncerTransport(SyncerTransport):
         if user is not None:
             _check_syncer_user(client, url)
         warn_without_aof(client, consumer)
+        check_value_limit(client, max_message_bytes)
         self._deltas = DeltaReader(
             client,
             run_id,

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from broker.errors import ConfigError
 from broker.fragments import FragmentPlan, ParamSpec, assign_fragments, param_specs
 from learner.model import GPT, ModelConfig
 
@@ -306,3 +307,21 @@ def test_unflatten_rejects_wrong_size() -> None:
         plan.unflatten(torch.zeros(n + 1), 0)
     with pytest.raises(ValueError, match="fragment 0"):
         plan.unflatten(torch.zeros(1, n), 0)
+
+
+def test_a_fragment_too_large_for_one_fp32_message_is_refused() -> None:
+    # 600M values (specs only: nothing is allocated) in 4 tensors of 150M: 572 MiB each.
+    specs = [ParamSpec(f"w{i}", (150_000_000,), "float32") for i in range(4)]
+    with pytest.raises(ConfigError, match=r"fragment 0 holds 150,000,000 values.*at least 5\)"):
+        FragmentPlan.build(specs, 4)
+    plan = FragmentPlan.build([ParamSpec(f"w{i}", (100_000_000,), "float32") for i in range(6)], 6)
+    assert plan.max_message_bytes > 4 * 100_000_000  # 381 MiB in fp32: it fits
+    with pytest.raises(ConfigError, match="fragment 0 holds 200,000,000"):
+        FragmentPlan.from_json(
+            plan.to_json()
+            | {
+                "fragments": 3,
+                "sync_every": 3,
+                "params": [[f"w{i}", [100_000_000], "float32", i // 2] for i in range(6)],
+            }
+        )

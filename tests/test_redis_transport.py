@@ -27,6 +27,7 @@ import redis
 import torch
 
 from broker.codecs import Codec
+from broker.errors import ConfigError
 from broker.redis_common import (
     FIELD,
     GROUP,
@@ -484,6 +485,19 @@ def test_syncer_recreates_its_group_when_the_streams_vanish(redis_server: RedisS
     assert [seq_of(i) for i in receive_until(syncer, 1)] == [1]
     syncer.close()
     learner.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_syncer_refuses_at_start_a_plan_whose_snapshot_redis_cannot_hold(
+    redis_server: RedisServer,
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    client.config_set("proto-max-bulk-len", "1mb")  # its least
+    with pytest.raises(ConfigError, match=r"2\.0 MiB.*at most 1\.0 MiB \(proto-max-bulk-len\)"):
+        RedisSyncerTransport(redis_server.url, RUN, "syncer-0", [0], max_message_bytes=2 * 2**20)
+    syncer = RedisSyncerTransport(redis_server.url, RUN, "syncer-0", [0], max_message_bytes=2**20)
+    syncer.close()
+    client.close()
 
 
 # -- 5. late joiners, gaps and trimmed globals ------------------------------------
