@@ -12,11 +12,14 @@ data, seeds and token budget as ``benchmarks.quality`` (M = 4, 300 steps);
 the dense runs are ``benchmarks.quality``'s own, taken from its folder
 (``--quality-out``) when it holds them with today's settings, else run there.
 The gap of a model is ``decoupled / data parallel - 1`` per seed; target:
-the mixture's mean gap at most the dense one plus 2 points. Expert shares:
-each layer's share of the held-out tokens per expert at the final evaluation;
-target: none below 10%.
+the mixture's mean gap at most the dense one plus 2 points. The mixture also
+trains as ``decoupled-int4``: decoupled with int4+zstd deltas and globals
+instead of the default int2+zstd, which costs the mixture more than the dense
+model; its gap is given beside the default's, with each run's bytes. Expert
+shares: each layer's share of the held-out tokens per expert at the final
+evaluation; target: none below 10%.
 
-full: seeds 0-2 (6 mixture runs, plus the dense ones); ``--quick``: seed 0;
+full: seeds 0-2 (9 mixture runs, plus the dense ones); ``--quick``: seed 0;
 ``--smoke`` (CI): ``benchmarks.quality``'s smoke settings (M = 2, a tiny
 model, 20 steps, seed 0). Writes ``moe-<mode>.json`` and ``moe-<mode>.png``.
 """
@@ -34,7 +37,13 @@ from benchmarks.local_run import local_run
 from compose.reporter import read_jsonl
 
 WORKLOAD = "learner.moe:moe_gpt"
-SYSTEMS = ("decoupled", "ddp")
+SYSTEMS = ("decoupled", "ddp")  # the dense model's, from benchmarks.quality
+INT4 = ["--delta-codec", "int4+zstd", "--global-codec", "int4+zstd"]
+MOE_SYSTEMS: dict[str, list[str]] = {
+    "decoupled": quality.SYSTEMS["decoupled"],
+    "decoupled-int4": quality.SYSTEMS["decoupled"] + INT4,
+    "ddp": quality.SYSTEMS["ddp"],
+}
 MODES: dict[str, dict[str, Any]] = {
     "smoke": quality.MODES["smoke"],
     "quick": quality.MODES["quick"],
@@ -48,7 +57,7 @@ def run_moe(
 ) -> dict[str, Any]:
     """One mixture run (quality's arguments, with the mixture's workload), or its stored result."""
     args = [
-        *quality.SYSTEMS[system], "--learners", str(mode["learners"]),
+        *MOE_SYSTEMS[system], "--learners", str(mode["learners"]),
         "--steps", str(mode["steps"]), "--seed", str(seed), "--workload", WORKLOAD,
         *mode["extra"], *extra,
     ]  # fmt: skip
@@ -65,6 +74,8 @@ def run_moe(
             "tokens": summary["tokens_total"],
             "expert_shares": shares,
             "eval_curve": summary["eval_curve"],
+            "bytes_up": summary["bytes_up"],
+            "bytes_down": summary["bytes_down"],
         }
 
     return local_run(out / f"run-seed{seed}-{system}.json", args, describe)
@@ -89,39 +100,47 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
     dense_out, dense_mode = quality.shared_runs(args.quality_out, name)
-    moe = [run_moe(out, mode, s, seed, args.extra) for seed in mode["seeds"] for s in SYSTEMS]
+    moe = [run_moe(out, mode, s, seed, args.extra) for seed in mode["seeds"] for s in MOE_SYSTEMS]
     dense = [
         quality.run_once(dense_out, dense_mode, s, seed, args.extra)
         for seed in mode["seeds"]
         for s in SYSTEMS
     ]
 
-    def gap(runs: list[dict[str, Any]]) -> dict[str, Any]:
-        losses = {
-            s: {r["seed"]: r["final_eval_loss"] for r in runs if r["system"] == s} for s in SYSTEMS
-        }
-        return quality.relative_gaps(losses["decoupled"], losses["ddp"])
+    def losses(runs: list[dict[str, Any]], system: str) -> dict[int, float]:
+        return {r["seed"]: r["final_eval_loss"] for r in runs if r["system"] == system}
+
+    def gap(runs: list[dict[str, Any]], system: str = "decoupled") -> dict[str, Any]:
+        return quality.relative_gaps(losses(runs, system), losses(runs, "ddp"))
 
     shares = {f"seed{r['seed']}-{r['system']}": r["expert_shares"] for r in moe}
     min_share = min(x for layers in shares.values() for layer in layers for x in layer)
-    moe_gap, dense_gap = gap(moe), gap(dense)
+    dense_gap = gap(dense)
+    moe_gaps = {s: gap(moe, s) for s in MOE_SYSTEMS if s != "ddp"}
     result: dict[str, Any] = {
         "benchmark": "moe",
         "mode": name,
         "settings": {k: v for k, v in mode.items() if k != "extra"}
         | {"tiny_model": bool(mode["extra"]), "extra": args.extra, "workload": WORKLOAD},
-        "gap_to_ddp": {"moe": moe_gap, "dense": dense_gap},
-        "gap_over_dense_gap": (
-            moe_gap["mean"] - dense_gap["mean"]
-            if moe_gap["mean"] is not None and dense_gap["mean"] is not None
+        "systems": {s: " ".join(flags) for s, flags in MOE_SYSTEMS.items()},
+        "gap_to_ddp": {f"moe-{s}": g for s, g in moe_gaps.items()} | {"dense": dense_gap},
+        "gap_over_dense_gap": {
+            f"moe-{s}": g["mean"] - dense_gap["mean"]
+            if g["mean"] is not None and dense_gap["mean"] is not None
             else None
-        ),
+            for s, g in moe_gaps.items()
+        },
         "final_eval_loss": {
-            f"{model}-{system}": {
-                str(r["seed"]): r["final_eval_loss"] for r in runs if r["system"] == system
+            f"{model}-{system}": {str(seed): loss for seed, loss in losses(runs, system).items()}
+            for model, runs, systems in (("moe", moe, MOE_SYSTEMS), ("dense", dense, SYSTEMS))
+            for system in systems
+        },
+        "bytes_up_down": {
+            f"moe-{s}": {
+                str(r["seed"]): [r["bytes_up"], r["bytes_down"]] for r in moe if r["system"] == s
             }
-            for model, runs in (("moe", moe), ("dense", dense))
-            for system in SYSTEMS
+            for s in MOE_SYSTEMS
+            if s != "ddp"
         },
         "expert_shares": shares,
         "min_expert_share": min_share,
