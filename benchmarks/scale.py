@@ -1,0 +1,533 @@
+"""Syncer shards under a large model's load, with synthetic learners.
+
+    python -m benchmarks.scale [--smoke | --quick] [--out benchmarks/results/scale]
+
+A synthetic learner is a process that does a learner's network work and
+nothing else: it enrolls with the run's keys, sends each fragment's delta
+on the schedule a learner of the given step time and H would (based on the
+newest version of the fragment it has heard of), heartbeats every step and
+receives the globals, reading their headers only (it holds no model, so it
+neither decodes nor applies them). Its deltas are real encodings, in the
+run's delta codec (int2+zstd at the defaults), of the deltas Adam makes of
+Gaussian gradients (:func:`synthetic_delta`), made once per fragment before
+the run and sent as they are every time: they compress to within 10% of a
+trained model's delta (``tests/test_scale_bench.py`` checks it).
+
+The syncers are the real service (``python -m syncer``), ``shards`` of them,
+each owning the fragments ``p mod shards``, over ZeroMQ (each shard binds its
+own port; learners list them all) or over one Redis server (TLS and the
+run's users, AOF ``appendfsync always``, as in the compose cluster), with
+the run's keys. Over Redis, one syncer serves every fragment.
+
+Reported per run (``scale-<mode>.json``):
+- ``round_latency_p99_s``: the 99th percentile, over every round, of the time
+  from a round's K-th delta to its global published (the syncer's
+  ``quorum_to_publish_s``), and ``budget_s`` = tau x step time; the shards
+  *sustain* the load when the first is at most the second, with no delta
+  lost, over at least 50 rounds;
+- ``lost_deltas``: deltas a learner handed over that no syncer acknowledged
+  or refused by the end (each learner flushes before it leaves);
+- ``syncer_bytes_per_param``: each shard's peak resident memory, less that of
+  an idle interpreter with the syncer's imports, over the parameters of the
+  fragments it owns (the largest over shards);
+- ``checkpoint_mb_per_s``: bytes the shards wrote to disk (``/proc/PID/io``,
+  checkpoints nearly all of it) per second of the run, in MB;
+- ``redis_peak_bytes`` and ``redis_aof_mb_per_s``: the server's peak memory
+  and the bytes its process wrote per second (the AOF), Redis runs only;
+- per learner its CPU seconds per second and peak memory;
+- ``learner_overhead``: what the library adds to a real learner's memory per
+  parameter, beyond model, gradients and AdamW's state
+  (:func:`learner_overhead`; 10M parameters in the smoke, 100M otherwise).
+
+Modes: ``--smoke`` (CI, under a minute): 10M parameters, P = 4, H = 4, M = 4,
+steps of 0.25 s, two ZeroMQ shards. ``--quick``: 250M parameters, P = 24,
+H = 24, M = 16, steps of 1 s, over Redis with one shard. Full: that load over
+Redis and over ZeroMQ with one and two shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import multiprocessing
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from broker.cli_config import dataclass_to_args
+from broker.codecs import Codec
+from broker.connect import connect_learner
+from broker.errors import Backpressure
+from broker.fragments import FragmentPlan, ParamSpec
+from broker.initial_model import write_initial_model
+from broker.keys import Identity, make_keys
+from broker.settings import RunSettings
+from broker.transport import learner_id_of
+from broker.wire import Delta, Heartbeat
+
+RUN_ID = "scale-bench"
+TOKENS_PER_STEP = 16 * 128  # a learner's batch at the defaults (tokens per inner step)
+# The synthetic deltas (synthetic_delta): Adam's steps on noisy Gaussian gradients.
+ADAM_STEPS = 12  # the default H
+GRADIENT_NOISE = 8.0  # the gradient noise's scale over the signal's (small batches)
+DELTA_SCALE = 3e-3  # the default inner lr: only the shape sets the compressed size
+MIN_ROUNDS = 50  # "sustains" holds over at least this many rounds
+
+
+@dataclass(frozen=True)
+class Load:
+    """One run: the model, the schedule, the learners and the syncers."""
+
+    params: int  # parameters of the model, cut into `fragments` equal tensors
+    fragments: int  # P
+    sync_every: int  # H
+    learners: int  # M
+    step_s: float  # each synthetic learner's inner-step time
+    transport: str  # "zmq" or "redis"
+    shards: int  # syncer processes, shard s owning the fragments p with p mod shards == s
+    steps: int  # inner steps per learner
+    pin_syncer: bool = False  # each shard on one core (taskset), for the per-core rate
+
+    @property
+    def name(self) -> str:
+        size = f"{self.params / 1e6:g}M"
+        pinned = "-pinned" if self.pin_syncer else ""
+        return f"{size}-{self.transport}-{self.shards}shard{pinned}"
+
+    @property
+    def rounds(self) -> int:
+        """Rounds the schedule opens over the run (every fragment, every H steps)."""
+        return self.fragments * (self.steps // self.sync_every)
+
+
+# The learner's memory overhead is measured on a model of this many parameters.
+LEARNER_PARAMS = {"smoke": 10_000_000, "quick": 100_000_000, "full": 100_000_000}
+_QUICK = Load(250_000_000, 24, 24, 16, 1.0, "redis", 1, steps=24 * 6)
+MODES: dict[str, list[Load]] = {
+    "smoke": [Load(10_000_000, 4, 4, 4, 0.25, "zmq", 2, steps=4 * 14)],
+    "quick": [_QUICK],
+    "full": [replace(_QUICK, transport=t, shards=n) for t in ("redis", "zmq") for n in (1, 2)],
+}
+
+
+def plan_of(load: Load) -> FragmentPlan:
+    """``fragments`` tensors of equal size (the last takes the remainder): one per fragment."""
+    each = load.params // load.fragments
+    sizes = [each] * (load.fragments - 1) + [load.params - each * (load.fragments - 1)]
+    specs = [ParamSpec(f"w{i}", (n,), "float32") for i, n in enumerate(sizes)]
+    return FragmentPlan.build(specs, load.fragments, load.sync_every)
+
+
+def synthetic_delta(numel: int, codec: Codec, seed: int) -> bytes:
+    """What ``ADAM_STEPS`` Adam steps (lr 1, the defaults' betas) make of Gaussian
+    gradients, times ``DELTA_SCALE``, encoded by ``codec``: a per-coordinate
+    direction drawn N(0, 1) plus N(0, ``GRADIENT_NOISE``^2) noise each step.
+
+    Not a plain Gaussian: int2+zstd packs one 17% smaller than a trained
+    model's delta (Adam's normalised steps have lighter tails, so fewer values
+    round to 0); these are within 10% of one (``tests/test_scale_bench.py``)."""
+    g = torch.Generator().manual_seed(seed)
+    direction = torch.randn(numel, generator=g)
+    m, v, delta = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
+    beta1, beta2 = 0.9, 0.999
+    for t in range(1, ADAM_STEPS + 1):
+        grad = direction + GRADIENT_NOISE * torch.randn(numel, generator=g)
+        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        delta += (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt_() + 1e-8)
+    return codec.encode(delta * DELTA_SCALE)
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _written_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+class Sampler(threading.Thread):
+    """Peak resident memory of some processes, sampled every ``period_s``."""
+
+    def __init__(self, pids: list[int], period_s: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.pids, self.period_s = pids, period_s
+        self.peak = dict.fromkeys(pids, 0)
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.period_s):
+            for pid in self.pids:
+                with contextlib.suppress(OSError):  # gone
+                    self.peak[pid] = max(self.peak[pid], _rss_bytes(pid))
+
+
+def idle_syncer_rss() -> int:
+    """Resident memory of an interpreter with the syncer's imports and nothing else."""
+    code = "import syncer.service, pathlib; print(pathlib.Path('/proc/self/status').read_text())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    line = next(x for x in out.stdout.splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+# -- the synthetic learner ------------------------------------------------------------
+def synthetic_learner(spec: dict[str, Any], results: Any) -> None:
+    """One learner's network work for ``spec["steps"]`` steps; puts its figures on ``results``."""
+    torch.set_num_threads(1)
+    run = RunSettings(**spec["run"])
+    plan = FragmentPlan.from_json(spec["plan"])
+    folder, learner_id, shards = Path(spec["folder"]), spec["learner_id"], spec["shards"]
+    payloads = {p: (folder / f"delta-{p}.bin").read_bytes() for p in range(plan.num_fragments)}
+    numel = {p: plan.fragment_numel(p) for p in range(plan.num_fragments)}
+    incarnation = time.time_ns()
+    transport = connect_learner(
+        run.url, run_id=run.run_id, learner_id=learner_id, incarnation=incarnation,
+        num_fragments=plan.num_fragments, max_message_bytes=plan.max_message_bytes,
+        keys=run.run_keys("learner"), identity=Identity.new(),
+    )  # fmt: skip
+    # The epoch of each shard's lineage: one fragment's snapshot per shard (a
+    # learner would download them all; this one holds no weights).
+    first = transport.snapshot(list(range(min(shards, plan.num_fragments))), 60.0)
+    epoch_of_shard = {p % shards: g.epoch for p, g in first.items()}
+    stamp = {p: (epoch_of_shard[p % shards], 0) for p in range(plan.num_fragments)}
+    for g in first.values():
+        stamp[g.fragment] = (g.epoch, g.version)
+        transport.accepted(g)
+    sent = backpressured = refused = seq = 0
+    last_sent = [0] * plan.num_fragments
+    start = time.monotonic()
+    for step in range(1, spec["steps"] + 1):
+        for p in plan.fragments_due(step):
+            seq += 1
+            epoch, version = stamp[p]
+            delta = Delta(
+                run_id=run.run_id, learner_id=learner_id, incarnation=incarnation, seq=seq,
+                fragment=p, plan_hash=plan.plan_hash, base_epoch=epoch, base_version=version,
+                step=step, c_steps=step - last_sent[p],
+                c_tokens=(step - last_sent[p]) * TOKENS_PER_STEP, sent_at=time.time(),
+                codec=run.delta_codec, numel=numel[p], payload=payloads[p],
+            )  # fmt: skip
+            try:
+                transport.send_delta(delta)
+                sent += 1
+                last_sent[p] = step
+            except Backpressure:
+                backpressured += 1  # its progress goes out with the next delta, as a learner's
+        transport.send_heartbeat(
+            Heartbeat(
+                run_id=run.run_id, learner_id=learner_id, incarnation=incarnation, step=step,
+                tokens=step * TOKENS_PER_STEP, step_time_s=spec["step_s"], sent_at=time.time(),
+            )
+        )  # fmt: skip
+        until = start + step * spec["step_s"]
+        while (left := until - time.monotonic()) > 0:
+            for g in transport.poll(left):
+                if (g.epoch, g.version) > stamp[g.fragment]:
+                    stamp[g.fragment] = (g.epoch, g.version)
+                    transport.accepted(g)
+            refused += len(transport.refused_fragments())
+    delivered = transport.flush(timeout_s=60.0)
+    lost = transport.unacked
+    stats = transport.stats
+    transport.close()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    wall = time.monotonic() - start
+    results.put(
+        {
+            "learner": learner_id,
+            "deltas_sent": sent,
+            "backpressured": backpressured,
+            "refusals": refused,
+            "delivered": delivered,
+            "lost_deltas": lost,
+            "bytes_sent": stats.bytes_sent,
+            "bytes_received": stats.bytes_received,
+            "cpu_per_s": round((usage.ru_utime + usage.ru_stime) / wall, 3),
+            "peak_rss_bytes": usage.ru_maxrss * 1024,
+        }
+    )
+
+
+# -- one run ----------------------------------------------------------------------
+def _start_syncer(
+    load: Load, run: RunSettings, shard: int, folder: Path, log_file: Any
+) -> subprocess.Popen[bytes]:
+    owned = ",".join(str(p) for p in range(load.fragments) if p % load.shards == shard)
+    served = replace(run, url=_zmq_url(run.url, shard)) if load.transport == "zmq" else run
+    cmd = [sys.executable, "-m", "syncer", *dataclass_to_args(served)]
+    cmd += [
+        f"--syncer-id=syncer-{shard}",
+        f"--checkpoint-dir={folder / f'checkpoint-{shard}'}",
+        f"--metrics-file={folder / f'syncer-{shard}.jsonl'}",
+    ]
+    if load.shards > 1:
+        cmd.append(f"--owned-fragments={owned}")
+    if load.pin_syncer:
+        cmd = ["taskset", "-c", str(shard % (os.cpu_count() or 1)), *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != b"ready":
+        raise RuntimeError(f"syncer {shard} did not start; see {folder / 'syncers.log'}")
+    return proc
+
+
+def _zmq_url(url: str, shard: int) -> str:
+    """Shard ``shard``'s own endpoint out of the learners' list ``zmq://h:p1,h:p2``."""
+    hosts = url.removeprefix("zmq://").split(",")
+    return "zmq://" + hosts[shard]
+
+
+def measure(load: Load, workdir: Path) -> dict[str, Any]:
+    from tests.servers import RedisServer, free_port
+
+    folder = workdir / load.name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    keys = make_keys(folder / "keys")
+    plan = plan_of(load)
+    print(f"{load.name}: writing the initial model and the deltas", flush=True)
+    weights = {
+        s.name: torch.randn(s.numel, generator=torch.Generator().manual_seed(i)) * 0.02
+        for i, s in enumerate(plan.specs)
+    }
+    write_initial_model(folder / "initial-model.safetensors", plan, weights)
+    del weights
+    base = RunSettings()
+    for p in range(load.fragments):
+        payload = synthetic_delta(plan.fragment_numel(p), base.delta_codec, seed=1000 + p)
+        (folder / f"delta-{p}.bin").write_bytes(payload)
+    redis_server = None
+    if load.transport == "redis":
+        redis_server = RedisServer(folder / "redis", keys=keys, tls=True)
+        redis_server.start()
+        url = redis_server.url
+    else:
+        url = "zmq://" + ",".join(f"127.0.0.1:{free_port()}" for _ in range(load.shards))
+    run = replace(
+        base, run_id=RUN_ID, url=url, learners=load.learners, fragments=load.fragments,
+        sync_every=load.sync_every, steps=load.steps, keys=str(folder / "keys"),
+        initial_model=str(folder / "initial-model.safetensors"),
+    )  # fmt: skip
+    if load.transport == "redis" and load.shards > 1:
+        raise SystemExit("Redis runs take one syncer: sharding over Redis is not built yet")
+    log_file = open(folder / "syncers.log", "ab")  # noqa: SIM115 (closed below)
+    syncers = [_start_syncer(load, run, s, folder, log_file) for s in range(load.shards)]
+    redis_pid = int(redis_server.client().info("server")["process_id"]) if redis_server else None
+    sampler = Sampler([s.pid for s in syncers] + ([redis_pid] if redis_pid else []))
+    sampler.start()
+    written_before = {s.pid: _written_bytes(s.pid) for s in syncers}
+    redis_written_before = _written_bytes(redis_pid) if redis_pid else 0
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    spec = {
+        "run": {f.name: getattr(run, f.name) for f in fields(run)},
+        "plan": plan.to_json(),
+        "folder": str(folder),
+        "shards": load.shards,
+        "steps": load.steps,
+        "step_s": load.step_s,
+    }
+    learners = [
+        ctx.Process(
+            target=synthetic_learner, args=(spec | {"learner_id": learner_id_of(m)}, results)
+        )
+        for m in range(load.learners)
+    ]
+    print(
+        f"{load.name}: {load.learners} learners, {load.steps} steps of {load.step_s} s", flush=True
+    )
+    started = time.monotonic()
+    for proc in learners:
+        proc.start()
+    rows = [results.get(timeout=load.steps * load.step_s + 600) for _ in learners]
+    for proc in learners:
+        proc.join()
+    seconds = time.monotonic() - started
+    written = sum(_written_bytes(s.pid) - written_before[s.pid] for s in syncers)
+    redis_written = _written_bytes(redis_pid) - redis_written_before if redis_pid else 0
+    redis_peak = (
+        int(redis_server.client().info("memory")["used_memory_peak"]) if redis_server else None
+    )
+    for s in syncers:
+        s.send_signal(signal.SIGTERM)
+    for s in syncers:
+        s.wait(timeout=120)
+    sampler.stop_event.set()
+    sampler.join()
+    log_file.close()
+    if redis_server:
+        redis_server.stop()
+    idle = idle_syncer_rss()
+    latencies, summaries = [], []
+    for shard in range(load.shards):
+        for line in (folder / f"syncer-{shard}.jsonl").read_text().splitlines():
+            e = json.loads(line)
+            if e["event"] == "round" and e.get("quorum_to_publish_s") is not None:
+                latencies.append(e["quorum_to_publish_s"])
+            elif e["event"] == "summary":
+                summaries.append(e)
+    per_shard_params = [
+        sum(plan.fragment_numel(p) for p in range(load.fragments) if p % load.shards == s)
+        for s in range(load.shards)
+    ]
+    p99 = _percentile(latencies, 0.99)
+    lost = sum(r["lost_deltas"] for r in rows)
+    budget = run.overlap * load.step_s  # tau steps: what a round's global may take
+    return {
+        "load": asdict(load) | {"name": load.name},
+        "rounds": len(latencies),
+        "round_latency_p99_s": p99,
+        "round_latency_median_s": _percentile(latencies, 0.5),
+        "budget_s": budget,
+        "sustains": p99 is not None
+        and p99 <= budget
+        and lost == 0
+        and len(latencies) >= MIN_ROUNDS,
+        "lost_deltas": lost,
+        "deltas_sent": sum(r["deltas_sent"] for r in rows),
+        "deltas_applied": sum(s["deltas_applied"] for s in summaries),
+        "deltas_rejected": sum(s["deltas_rejected"] for s in summaries),
+        "rejected_by_reason": [s["rejected_by_reason"] for s in summaries],
+        "syncer_peak_rss_bytes": [sampler.peak[s.pid] for s in syncers],
+        "idle_interpreter_rss_bytes": idle,
+        "syncer_bytes_per_param": max(
+            (sampler.peak[s.pid] - idle) / n for s, n in zip(syncers, per_shard_params, strict=True)
+        ),
+        "checkpoint_mb_per_s": written / seconds / 1e6,
+        "redis_peak_bytes": redis_peak,
+        "redis_aof_mb_per_s": redis_written / seconds / 1e6 if redis_pid else None,
+        "delta_bytes_per_param": (folder / "delta-0.bin").stat().st_size / plan.fragment_numel(0),
+        "seconds": seconds,
+        "learners": rows,
+    }
+
+
+def learner_overhead(params: int, workdir: Path) -> dict[str, Any]:
+    """What the library adds to a learner's memory per parameter: the resident
+    memory of a process training a model of ``params`` parameters (fp32, AdamW,
+    so model, gradients and optimizer state are 16 bytes per parameter) before
+    it is wrapped, against its peak over 3 x H steps wrapped in
+    :class:`~learner.library.DecoupledDiLoCo` at the defaults, against a local
+    syncer. Run in a child process, so that nothing else is in its memory."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_learner_overhead, args=(params, str(workdir), results))
+    child.start()
+    row: dict[str, Any] = results.get(timeout=1200)
+    child.join()
+    return row
+
+
+def _learner_overhead(params: int, workdir: str, results: Any) -> None:
+    from learner.library import DecoupledDiLoCo, local_syncer
+
+    torch.set_num_threads(1)
+    width = 1024
+    layers = max(1, round(params / (width * width + width)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    numel = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, width)
+
+    def train_step() -> None:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # gradients stay: counted in the 16 bytes
+
+    train_step()  # gradients and both Adam moments exist from here on
+    sampler = Sampler([os.getpid()], period_s=0.05)
+    sampler.start()
+    time.sleep(0.3)
+    unwrapped = sampler.peak[os.getpid()]
+    settings = RunSettings()
+    url = f"zmq://127.0.0.1:{_free_port()}"
+    folder = Path(workdir) / "learner-overhead"
+    folder.mkdir(parents=True, exist_ok=True)
+    keys = str(folder / "keys")
+    with (
+        local_syncer(model, url, folder, learners=1, quorum=1, keys=keys),
+        DecoupledDiLoCo(model, url, learners=1, quorum=1, keys=keys) as sync,
+    ):
+        for _ in range(3 * settings.sync_every):
+            train_step()
+            sync.step(weight=x.shape[0])
+            time.sleep(0.05)  # the comm thread's sends and the globals' arrival
+    time.sleep(0.3)
+    sampler.stop_event.set()
+    sampler.join()
+    wrapped = sampler.peak[os.getpid()]
+    results.put(
+        {
+            "params": numel,
+            "unwrapped_rss_bytes": unwrapped,
+            "wrapped_peak_rss_bytes": wrapped,
+            "overhead_bytes_per_param": round((wrapped - unwrapped) / numel, 2),
+        }
+    )
+
+
+def _free_port() -> int:
+    from tests.servers import free_port
+
+    return free_port()
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` (the nearest rank at or above it), None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--smoke", action="store_true", help="CI: 10M parameters, two ZeroMQ shards")
+    which.add_argument("--quick", action="store_true", help="250M parameters over Redis, one shard")
+    ap.add_argument("--out", default="benchmarks/results/scale")
+    args = ap.parse_args(argv)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="ddiloco-scale-"))
+    runs = []
+    try:
+        for load in MODES[mode]:
+            runs.append(measure(load, workdir))
+            shown = {k: v for k, v in runs[-1].items() if k != "learners"}
+            print(json.dumps(shown, indent=1), flush=True)
+        learner = learner_overhead(LEARNER_PARAMS[mode], workdir)
+        print(json.dumps({"learner_overhead": learner}), flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    path = out / f"scale-{mode}.json"
+    report = {"benchmark": "scale", "mode": mode, "runs": runs, "learner_overhead": learner}
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""benchmarks.scale: its synthetic deltas against a trained model's, and its
+smoke run end to end (two real ZeroMQ syncer shards, four synthetic learners)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import scale
+from broker.settings import RunSettings
+from learner.data import BatchSampler, load_corpus
+from learner.model import GPT, ModelConfig
+
+
+def test_synthetic_deltas_compress_within_ten_percent_of_a_trained_models() -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig()
+    model = GPT(cfg)
+    corpus = load_corpus(None, cfg.vocab_size, cfg.seq_len)
+    batches = BatchSampler(corpus.train, cfg.seq_len, 16, 0, 1, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+    def weights() -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+    # One H of steps past the first (Adam's moments warmed up), as a learner sends it.
+    for step in range(2 * scale.ADAM_STEPS):
+        if step == scale.ADAM_STEPS:
+            before = weights()
+        loss = model(*batches.next())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    real = before - weights()
+    codec = RunSettings().delta_codec
+    real_size = len(codec.encode(real))
+    synthetic_size = len(scale.synthetic_delta(real.numel(), codec, seed=1))
+    assert synthetic_size == pytest.approx(real_size, rel=0.10)
+    plain_gaussian = len(codec.encode(torch.randn(real.numel())))
+    assert plain_gaussian < 0.9 * real_size  # why the synthetic deltas are Adam's
+
+
+def test_percentile_is_the_nearest_rank_at_or_above() -> None:
+    assert scale._percentile([], 0.99) is None
+    assert scale._percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    values = [float(i) for i in range(1, 101)]
+    assert scale._percentile(values, 0.99) == 99.0
+    assert scale._percentile(values, 1.0) == 100.0
+
+
+@pytest.mark.timeout(300)
+def test_smoke_two_zeromq_shards_sustain_the_load_and_lose_nothing(tmp_path: Path) -> None:
+    assert scale.main(["--smoke", "--out", str(tmp_path)]) == 0
+    (run,) = json.loads((tmp_path / "scale-smoke.json").read_text())["runs"]
+    load = scale.MODES["smoke"][0]
+    assert run["load"]["shards"] == 2 and run["load"]["transport"] == "zmq"
+    assert run["lost_deltas"] == 0
+    assert all(r["delivered"] for r in run["learners"]) and len(run["learners"]) == load.learners
+    assert run["deltas_applied"] > 0 and run["deltas_sent"] >= run["deltas_applied"]
+    assert run["rounds"] >= scale.MIN_ROUNDS
+    assert run["round_latency_p99_s"] is not None and run["round_latency_p99_s"] > 0
+    assert len(run["syncer_peak_rss_bytes"]) == 2 and run["syncer_bytes_per_param"] > 0
+    assert run["checkpoint_mb_per_s"] > 0
+    assert 0 < run["delta_bytes_per_param"] < 1
+    overhead = json.loads((tmp_path / "scale-smoke.json").read_text())["learner_overhead"]
+    assert overhead["params"] >= 9_000_000 and overhead["overhead_bytes_per_param"] > 0
