@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             f"moe-{s}": {
                 str(r["seed"]): [r["bytes_up"], r["bytes_down"]] for r in moe if r["system"] == s
             }
-            for s in MOE_SYSTEMS
-            if s != "ddp"
+            for s in moe_gaps
         },
         "expert_shares": shares,
         "min_expert_share": min_share,

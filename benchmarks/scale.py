@@ -123,6 +123,11 @@ MODES: dict[str, list[Load]] = {
 }
 
 
+def owned_by(load: Load, shard: int) -> list[int]:
+    """The fragments shard ``shard`` owns: those p with p mod shards == shard."""
+    return [p for p in range(load.fragments) if p % load.shards == shard]
+
+
 def plan_of(load: Load) -> FragmentPlan:
     """``fragments`` tensors of equal size (the last takes the remainder): one per fragment."""
     each = load.params // load.fragments
@@ -151,18 +156,20 @@ def synthetic_delta(numel: int, codec: Codec, seed: int) -> bytes:
     return codec.encode(delta * DELTA_SCALE)
 
 
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
+def _proc_figure(text: str, key: str) -> int:
+    """The number after ``key:`` in a /proc file's text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
     return 0
+
+
+def _rss_bytes(pid: int) -> int:
+    return 1024 * _proc_figure(Path(f"/proc/{pid}/status").read_text(), "VmRSS")  # in kB
 
 
 def _written_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("write_bytes:"):
-            return int(line.split()[1])
-    return 0
+    return _proc_figure(Path(f"/proc/{pid}/io").read_text(), "write_bytes")
 
 
 class Sampler(threading.Thread):
@@ -185,8 +192,7 @@ def idle_syncer_rss() -> int:
     """Resident memory of an interpreter with the syncer's imports and nothing else."""
     code = "import syncer.service, pathlib; print(pathlib.Path('/proc/self/status').read_text())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    line = next(x for x in out.stdout.splitlines() if x.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
+    return 1024 * _proc_figure(out.stdout, "VmRSS")  # in kB
 
 
 # -- the synthetic learner ------------------------------------------------------------
@@ -271,7 +277,7 @@ def synthetic_learner(spec: dict[str, Any], results: Any) -> None:
 def _start_syncer(
     load: Load, run: RunSettings, shard: int, folder: Path, log_file: Any
 ) -> subprocess.Popen[bytes]:
-    owned = ",".join(str(p) for p in range(load.fragments) if p % load.shards == shard)
+    owned = ",".join(str(p) for p in owned_by(load, shard))
     served = replace(run, url=_zmq_url(run.url, shard)) if load.transport == "zmq" else run
     cmd = [sys.executable, "-m", "syncer", *dataclass_to_args(served)]
     cmd += [
@@ -386,8 +392,7 @@ def measure(load: Load, workdir: Path) -> dict[str, Any]:
             elif e["event"] == "summary":
                 summaries.append(e)
     per_shard_params = [
-        sum(plan.fragment_numel(p) for p in range(load.fragments) if p % load.shards == s)
-        for s in range(load.shards)
+        sum(plan.fragment_numel(p) for p in owned_by(load, s)) for s in range(load.shards)
     ]
     p99 = _percentile(latencies, 0.99)
     lost = sum(r["lost_deltas"] for r in rows)
@@ -439,6 +444,7 @@ def learner_overhead(params: int, workdir: Path) -> dict[str, Any]:
 
 def _learner_overhead(params: int, workdir: str, results: Any) -> None:
     from learner.library import DecoupledDiLoCo, local_syncer
+    from tests.servers import free_port
 
     torch.set_num_threads(1)
     width = 1024
@@ -460,7 +466,7 @@ def _learner_overhead(params: int, workdir: str, results: Any) -> None:
     time.sleep(0.3)
     unwrapped = sampler.peak[os.getpid()]
     settings = RunSettings()
-    url = f"zmq://127.0.0.1:{_free_port()}"
+    url = f"zmq://127.0.0.1:{free_port()}"
     folder = Path(workdir) / "learner-overhead"
     folder.mkdir(parents=True, exist_ok=True)
     keys = str(folder / "keys")
@@ -484,12 +490,6 @@ def _learner_overhead(params: int, workdir: str, results: Any) -> None:
             "overhead_bytes_per_param": round((wrapped - unwrapped) / numel, 2),
         }
     )
-
-
-def _free_port() -> int:
-    from tests.servers import free_port
-
-    return free_port()
 
 
 def _percentile(values: list[float], q: float) -> float | None:
