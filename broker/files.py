@@ -12,14 +12,27 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 META_KEY = "ddiloco"  # the safetensors metadata entry that holds our JSON
+# safetensors' names of the dtypes written here.
+_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -30,12 +43,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Replace ``path`` with ``data``, or with its parts one after the other."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for part in [data] if isinstance(data, bytes) else data:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -60,23 +75,38 @@ def write_private(path: Path, text: str, mode: int = 0o600) -> None:
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
-    """Write tensors and JSON metadata atomically; returns the bytes written."""
-    data = st_save(
-        {k: v.contiguous() for k, v in tensors.items()}, metadata={META_KEY: json.dumps(meta)}
-    )
-    atomic_write(path, data)
-    return len(data)
+    """Write tensors and JSON metadata atomically as a safetensors file; returns
+    the bytes written. Each tensor goes to the file straight from its own
+    memory: a checkpoint costs no second copy of the state (safetensors' own
+    ``save`` builds the whole file in memory first)."""
+    flat = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    header: dict[str, Any] = {"__metadata__": {META_KEY: json.dumps(meta)}}
+    offset = 0
+    for name, t in flat.items():
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    parts: list[bytes | memoryview] = [len(encoded).to_bytes(8, "little"), encoded]
+    parts += [
+        memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in flat.values() if t.numel()
+    ]
+    atomic_write(path, parts)
+    return 8 + len(encoded) + offset
 
 
 def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors and JSON metadata written by :func:`save_tensors`."""
-    data = path.read_bytes()
-    tensors = st_load(data)
-    # safetensors keeps metadata in its JSON header: read it without torch.load.
-    header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + header_len])
-    meta = json.loads(header.get("__metadata__", {}).get(META_KEY, "{}"))
-    return tensors, meta
+    """Tensors and JSON metadata written by :func:`save_tensors` (read through a
+    memory map: one copy of the tensors in memory, not two)."""
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+    meta = json.loads(metadata.get(META_KEY, "{}"))
+    return load_file(path), meta
 
 
 class EventLog:

@@ -12,7 +12,6 @@ current version; the merge adds the master's lead over that version
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -25,49 +24,6 @@ SAFE_MAGNITUDE = torch.finfo(torch.float32).max / 2
 
 class StaleDelta(TrustError):
     """A delta whose base version is no longer (or not yet) kept."""
-
-
-class VersionHistory:
-    """The last ``depth`` versions of one fragment's global weights.
-
-    ``depth`` is the staleness bound S: a delta based on the current version or
-    one of the S - 1 before it can be rebased; anything older is refused.
-    """
-
-    def __init__(self, depth: int) -> None:
-        if depth < 1:
-            raise ValueError(f"staleness depth must be >= 1, got {depth}")
-        self.depth = depth
-        self._versions: OrderedDict[int, torch.Tensor] = OrderedDict()
-
-    def push(self, version: int, weights: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """Keep ``weights`` as ``version``; returns the versions no longer kept."""
-        if self._versions and version <= self.current_version:
-            raise ValueError(f"version {version} is not newer than {self.current_version}")
-        self._versions[version] = weights
-        dropped = []
-        while len(self._versions) > self.depth:
-            dropped.append(self._versions.popitem(last=False))
-        return dropped
-
-    @property
-    def current_version(self) -> int:
-        return next(reversed(self._versions))
-
-    @property
-    def current(self) -> torch.Tensor:
-        return self._versions[self.current_version]
-
-    def items(self) -> list[tuple[int, torch.Tensor]]:
-        return list(self._versions.items())
-
-    def get(self, version: int) -> torch.Tensor:
-        """Weights of ``version``, or :class:`StaleDelta` saying why not."""
-        if version in self._versions:
-            return self._versions[version]
-        if version > self.current_version:
-            raise StaleDelta("future_version", f"base {version} > current {self.current_version}")
-        raise StaleDelta("stale", f"base {version} is older than the {self.depth} kept versions")
 
 
 def max_abs(x: torch.Tensor) -> float:

@@ -31,8 +31,9 @@ class PackedRows:
     """Where packed deltas live: a row of scales and one of codes each, in two
     arrays that the compiled close reads as they are (no copy per round), reused
     round after round (no page faults). A row comes back when the last
-    :class:`PackedDelta` on it is dropped; the arrays double when every row is
-    taken."""
+    :class:`PackedDelta` on it is dropped; the arrays grow by a quarter (at
+    least 4 rows) when every row is taken: about a round's deltas and the
+    changes its older bases need, not twice that."""
 
     def __init__(self, numel: int, codec: Codec) -> None:
         self.numel = numel
@@ -42,7 +43,15 @@ class PackedRows:
 
     def pack(self, delta: Delta) -> PackedDelta:
         """WireError if the payload does not decode."""
-        raw = np.frombuffer(delta.quantised(self._raw), dtype=np.uint8)
+        return self._packed(np.frombuffer(delta.quantised(self._raw), dtype=np.uint8))
+
+    def pack_payload(self, payload: bytes | memoryview, codec: Codec) -> PackedDelta:
+        """An int2 payload of ``codec`` (one the syncer published itself) packed."""
+        return self._packed(
+            np.frombuffer(codec.quantised(payload, self.numel, self._raw), np.uint8)
+        )
+
+    def _packed(self, raw: np.ndarray) -> PackedDelta:
         row = self._take()
         scales, codes = self.scales[row.index], self.codes[row.index]
         kernels.unpack_int2(raw, self.numel, scales, codes)
@@ -52,7 +61,7 @@ class PackedRows:
     def _take(self) -> _Row:
         if not self._free:
             taken = len(self.scales)
-            scales, codes = kernels.new_rows(max(2 * taken, 4), self.numel)
+            scales, codes = kernels.new_rows(taken + max(taken // 4, 4), self.numel)
             scales[:taken], codes[:taken] = self.scales, self.codes
             self.scales, self.codes = scales, codes
             self._free = list(range(len(scales) - 1, taken - 1, -1))

@@ -100,8 +100,8 @@ class FragmentState:
     Two copies of the weights: the fp32 master (:attr:`master`), which the
     outer optimizer steps, and the published versions (:attr:`versions`),
     exactly as learners decode them (they differ only with a lossy global
-    codec). A learner's weights are rebuilt bit for bit from the published
-    version it holds, and its gradient is taken against the master (rule 1 of
+    codec). A learner's weights are rebuilt from the published version it
+    holds, and its gradient is taken against the master (rule 1 of
     docs/design.md: the master's lead, the global codec's rounding error not
     yet published, enters every gradient).
     """
@@ -264,11 +264,7 @@ class FragmentState:
         self.merge.accepted(old, stepped)
         self.outer_state = OuterState(stepped.master, stepped.momentum)
         self.versions.push(
-            stepped.version,
-            stepped.publication,
-            wall_s,
-            magnitude=stepped.version_magnitude,
-            recycle_unless=self.master if isinstance(self.merge, CompiledMerge) else None,
+            stepped.version, stepped.publication, wall_s, magnitude=stepped.version_magnitude
         )
         tokens = self.admission.merged(verdict)
         parts = [c for t in verdict.kept for c in t.parts]
@@ -319,6 +315,7 @@ class FragmentState:
             "version": self.version,
             "codec": self.codec.name,
             "published_at": {str(v): t for v, t in self.published_at.items()},
+            "magnitudes": self.versions.magnitudes(),
             **self.admission.state(),
         }
         return tensors, meta
@@ -346,7 +343,8 @@ class FragmentState:
                 f"{self.numel} elements (the plan needs ({self.numel},)); another model?"
             )
         published_at = {int(v): float(t) for v, t in meta.get("published_at", {}).items()}
-        self.versions.load(tensors, published_at)
+        magnitudes = {int(v): float(m) for v, m in meta.get("magnitudes", {}).items()}
+        self.versions.load(tensors, published_at, magnitudes, self.codec)
         self.outer_state = OuterState(
             (self.versions.current if master is None else master).to(torch.float32).clone(),
             None if momentum is None else momentum.to(torch.float32).clone(),

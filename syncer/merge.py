@@ -226,20 +226,28 @@ class CompiledMerge:
         numel = state.master.numel()
         packed: list[PackedDelta] = []
         factors: list[float] = []
-        dense: dict[int, tuple[torch.Tensor, float]] = {}  # other deltas, older bases' shifts
+        dense: list[tuple[torch.Tensor, float]] = []  # deltas of other codecs
+        behind: dict[int, float] = {}  # per older base: its deltas' total fraction
         for c, fraction in zip(merged.parts, merged.fractions, strict=True):
             if isinstance(c.delta, PackedDelta):
                 packed.append(c.delta)
                 factors.append(fraction * c.delta.factor)
             else:
-                dense[id(c.delta)] = (c.delta, fraction)
+                dense.append((c.delta, fraction))
             if c.base_version != versions.version:
-                shift = versions.shift(c.base_version)[0]
-                assert shift is not None  # only the current version has none
-                _, total = dense.get(id(shift), (shift, 0.0))
-                dense[id(shift)] = (shift, total + fraction)
+                behind[c.base_version] = behind.get(c.base_version, 0.0) + fraction
+        # An older base's shift is the sum of the changes published since it:
+        # each kept change goes in once, packed as it was published, weighted
+        # by the fractions of the deltas on the bases it is newer than. A base
+        # kept as weights (from before a restart) has its shift made whole.
+        chained = {b: f for b, f in behind.items() if not versions.kept_as_weights(b)}
+        for base in behind.keys() - chained.keys():
+            dense.append((versions.shift(base)[0], behind[base]))  # type: ignore[arg-type]
+        for made, change in versions.changes_since(min(chained)) if chained else []:
+            packed.append(self.rows.pack_payload(change.payload, change.codec))
+            factors.append(sum(f for base, f in chained.items() if base < made))
         merged_dense = torch.zeros(numel if dense else 0, dtype=torch.float32)
-        for tensor, fraction in dense.values():
+        for tensor, fraction in dense:
             merged_dense.add_(tensor, alpha=fraction)
         # Bounds on the step's magnitudes: when they rule out an overflow, the
         # master and momentum are stepped in place, since the state can no
@@ -261,20 +269,23 @@ class CompiledMerge:
         master_bound = self._master_bound(state) + o.outer_lr * (
             update_bound + o.outer_momentum * momentum_bound
         )
-        in_place = max(master_bound + previous_magnitude, momentum_bound) < SAFE_MAGNITUDE and all(
-            state.master is not w for _, w in versions.history.items()
-        )
+        safe = max(master_bound + previous_magnitude, momentum_bound) < SAFE_MAGNITUDE
+        in_place = safe and state.master is not versions.current
         if in_place:
             master = state.master
             momentum = torch.empty(numel) if state.momentum is None else state.momentum
         else:
             master = self._reusable("_spare_master", numel)
             momentum = self._reusable("_spare_momentum", numel)
-        # A version no longer kept, unless anything else holds it (the first
-        # version is the master itself).
-        version = versions.take_spare()
-        if version is None or not unshared(version):
-            version = torch.empty(numel, dtype=torch.float32)
+        # The new version goes over the current one when the step cannot
+        # overflow and nothing else holds it (a transport may still serve its
+        # bytes as the snapshot; the first version is the master itself): each
+        # value of it is read before it is written. Else into new memory.
+        version = (
+            versions.current
+            if in_place and versions.writable()
+            else torch.empty(numel, dtype=torch.float32)
+        )
         blocks = kernels.padded_blocks(numel)
         new_scales = np.empty(blocks, dtype=np.float32)
         new_codes = np.empty(blocks * kernels.BLOCK // 4, dtype=np.uint8)

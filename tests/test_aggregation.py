@@ -8,10 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from broker.errors import TrustError
 from syncer.aggregation import (
-    StaleDelta,
-    VersionHistory,
     outer_gradient,
     radial_directional_mean,
     rebased_weighted_mean,
@@ -58,54 +55,6 @@ def test_outer_gradient_does_not_mutate() -> None:
     d, b, c = t(1, 2), t(3, 4), t(5, 6)
     outer_gradient(d, b, c)
     assert d.tolist() == [1, 2] and b.tolist() == [3, 4] and c.tolist() == [5, 6]
-
-
-# -- version history -----------------------------------------------------------
-@pytest.mark.parametrize("depth", [1, 2, 3, 5])
-def test_history_keeps_last_depth_versions(depth: int) -> None:
-    h = VersionHistory(depth)
-    for v in range(8):
-        h.push(v, torch.full((2,), float(v)))
-        assert h.current_version == v
-        assert h.current.tolist() == [float(v)] * 2
-        kept = list(range(max(0, v - depth + 1), v + 1))
-        assert [k for k, _ in h.items()] == kept
-        for k in kept:
-            assert h.get(k).tolist() == [float(k)] * 2
-        for old in range(0, kept[0]):
-            with pytest.raises(StaleDelta) as info:
-                h.get(old)
-            assert info.value.reason == "stale"
-        for future in (v + 1, v + 10):
-            with pytest.raises(StaleDelta) as info:
-                h.get(future)
-            assert info.value.reason == "future_version"
-
-
-def test_history_depth_two_by_hand() -> None:
-    h = VersionHistory(2)
-    h.push(10, t(1))
-    h.push(11, t(2))
-    h.push(13, t(3))  # versions need not be consecutive
-    assert [v for v, _ in h.items()] == [11, 13]
-    assert h.get(11).tolist() == [2.0]
-    with pytest.raises(StaleDelta, match="stale"):
-        h.get(10)
-    with pytest.raises(StaleDelta) as info:
-        h.get(12)  # never kept, below current: refused as stale
-    assert info.value.reason == "stale"
-    assert issubclass(StaleDelta, TrustError)
-
-
-def test_history_errors() -> None:
-    with pytest.raises(ValueError):
-        VersionHistory(0)
-    h = VersionHistory(3)
-    h.push(5, t(0))
-    for v in (5, 4):
-        with pytest.raises(ValueError, match="not newer"):
-            h.push(v, t(0))
-    assert [v for v, _ in h.items()] == [5]
 
 
 # -- weights -------------------------------------------------------------------

@@ -345,16 +345,17 @@ def test_gradients_are_taken_against_the_master_as_the_design_says(compiled: boo
         state = torch_twin(state)
     assert isinstance(state.merge, CompiledMerge) is compiled
     gen = torch.Generator().manual_seed(4)
+    theta = {}  # each version as published, as learners hold it
     for seq in range(1, 4):  # a few rounds, so that the master leads the version
         # int8 deltas: changes that ternary codes cannot publish exactly.
         values = 1e-2 * torch.randn(numel, generator=gen)
         offer_both([state], [sent("a", seq, state.version, values, Codec.parse("int8"))], T0 + seq)
         state.close(T0 + seq, 1)
+        theta[state.version] = state.weights.double().clone()
     lead = (state.master.double() - state.weights.double()).abs().max().item()
     assert lead > 1e-3  # int2 globals: the master is ahead of what was published
     # Two deltas of two learners: one on the current version, one a version behind.
     current, behind = state.version, state.version - 1
-    theta = {v: state.versions.get(v).double() for v in (current, behind)}
     master = state.master.double().clone()
     d_now = sent("b", 1, current, 1e-2 * torch.randn(numel, generator=gen))
     d_old = sent("c", 1, behind, 1e-2 * torch.randn(numel, generator=gen))

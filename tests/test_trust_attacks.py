@@ -305,12 +305,12 @@ def test_a_learners_deltas_on_two_bases_are_one_term() -> None:
     state = FragmentState(
         0, torch.tensor(W0, dtype=torch.float32), *params(quorum=1), published_s=T0
     )
+    v0 = state.weights.double().numpy().copy()
     honest(state, 1, learners=1)
     close(state)  # version 1: x's first delta below is one version behind
-    state.versions.get(0)
     d0 = H * direction(3)
     d1 = 0.5 * H * direction(4)
-    v0, v1 = state.versions.get(0).double().numpy(), state.weights.double().numpy()
+    v1 = state.weights.double().numpy()
     x0 = Delta(
         learner_id="x", incarnation=1, seq=1, base_version=0, step=H, c_steps=H,
         c_tokens=H * 2048, numel=N,
