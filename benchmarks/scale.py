@@ -321,23 +321,59 @@ def measure(load: Load, workdir: Path) -> dict[str, Any]:
     for p in range(load.fragments):
         payload = synthetic_delta(plan.fragment_numel(p), base.delta_codec, seed=1000 + p)
         (folder / f"delta-{p}.bin").write_bytes(payload)
-    redis_server = None
-    if load.transport == "redis":
-        redis_server = RedisServer(folder / "redis", keys=keys, tls=True)
-        redis_server.start()
-        url = redis_server.url
-    else:
-        url = "zmq://" + ",".join(f"127.0.0.1:{free_port()}" for _ in range(load.shards))
-    run = replace(
-        base, run_id=RUN_ID, url=url, learners=load.learners, fragments=load.fragments,
-        sync_every=load.sync_every, steps=load.steps, keys=str(folder / "keys"),
-        initial_model=str(folder / "initial-model.safetensors"),
-    )  # fmt: skip
     if load.transport == "redis" and load.shards > 1:
         raise SystemExit("Redis runs take one syncer: sharding over Redis is not built yet")
-    log_file = open(folder / "syncers.log", "ab")  # noqa: SIM115 (closed below)
-    syncers = [_start_syncer(load, run, s, folder, log_file) for s in range(load.shards)]
-    redis_pid = int(redis_server.client().info("server")["process_id"]) if redis_server else None
+    with contextlib.ExitStack() as cleanup:
+        redis_server = None
+        if load.transport == "redis":
+            redis_server = RedisServer(folder / "redis", keys=keys, tls=True)
+            redis_server.start()
+            cleanup.callback(redis_server.stop)
+            url = redis_server.url
+        else:
+            url = "zmq://" + ",".join(f"127.0.0.1:{free_port()}" for _ in range(load.shards))
+        run = replace(
+            base, run_id=RUN_ID, url=url, learners=load.learners, fragments=load.fragments,
+            sync_every=load.sync_every, steps=load.steps, keys=str(folder / "keys"),
+            initial_model=str(folder / "initial-model.safetensors"),
+        )  # fmt: skip
+        log_file = cleanup.enter_context(open(folder / "syncers.log", "ab"))
+        syncers: list[subprocess.Popen[bytes]] = []
+        cleanup.callback(_stop_all, syncers)
+        for shard in range(load.shards):
+            syncers.append(_start_syncer(load, run, shard, folder, log_file))
+        row = _drive(load, run, plan, folder, syncers, redis_server)
+    return _report(load, run, plan, folder, row)
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each process that still runs, then wait for it (kill after 120 s)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _redis_info(server: Any, section: str) -> dict[str, Any]:
+    """INFO ``section``, waiting out a server busy with its AOF (a long timeout)."""
+    return dict(server.client(socket_timeout=300, socket_connect_timeout=300).info(section))
+
+
+def _drive(
+    load: Load,
+    run: RunSettings,
+    plan: FragmentPlan,
+    folder: Path,
+    syncers: list[subprocess.Popen[bytes]],
+    redis_server: Any,
+) -> dict[str, Any]:
+    """Run the synthetic learners against the started syncers; the run's raw figures."""
+    redis_pid = int(_redis_info(redis_server, "server")["process_id"]) if redis_server else None
     sampler = Sampler([s.pid for s in syncers] + ([redis_pid] if redis_pid else []))
     sampler.start()
     written_before = {s.pid: _written_bytes(s.pid) for s in syncers}
@@ -370,18 +406,25 @@ def measure(load: Load, workdir: Path) -> dict[str, Any]:
     seconds = time.monotonic() - started
     written = sum(_written_bytes(s.pid) - written_before[s.pid] for s in syncers)
     redis_written = _written_bytes(redis_pid) - redis_written_before if redis_pid else 0
-    redis_peak = (
-        int(redis_server.client().info("memory")["used_memory_peak"]) if redis_server else None
-    )
-    for s in syncers:
-        s.send_signal(signal.SIGTERM)
-    for s in syncers:
-        s.wait(timeout=120)
+    redis_peak = int(_redis_info(redis_server, "memory")["used_memory_peak"]) if redis_pid else None
+    _stop_all(syncers)
     sampler.stop_event.set()
     sampler.join()
-    log_file.close()
-    if redis_server:
-        redis_server.stop()
+    return {
+        "rows": rows,
+        "seconds": seconds,
+        "written": written,
+        "redis_written": redis_written if redis_pid else None,
+        "redis_peak": redis_peak,
+        "syncer_peaks": [sampler.peak[s.pid] for s in syncers],
+    }
+
+
+def _report(
+    load: Load, run: RunSettings, plan: FragmentPlan, folder: Path, raw: dict[str, Any]
+) -> dict[str, Any]:
+    """A run's figures, from its raw ones and the syncers' metrics files."""
+    rows, seconds = raw["rows"], raw["seconds"]
     idle = idle_syncer_rss()
     latencies, summaries = [], []
     for shard in range(load.shards):
@@ -412,14 +455,16 @@ def measure(load: Load, workdir: Path) -> dict[str, Any]:
         "deltas_applied": sum(s["deltas_applied"] for s in summaries),
         "deltas_rejected": sum(s["deltas_rejected"] for s in summaries),
         "rejected_by_reason": [s["rejected_by_reason"] for s in summaries],
-        "syncer_peak_rss_bytes": [sampler.peak[s.pid] for s in syncers],
+        "syncer_peak_rss_bytes": raw["syncer_peaks"],
         "idle_interpreter_rss_bytes": idle,
         "syncer_bytes_per_param": max(
-            (sampler.peak[s.pid] - idle) / n for s, n in zip(syncers, per_shard_params, strict=True)
+            (peak - idle) / n for peak, n in zip(raw["syncer_peaks"], per_shard_params, strict=True)
         ),
-        "checkpoint_mb_per_s": written / seconds / 1e6,
-        "redis_peak_bytes": redis_peak,
-        "redis_aof_mb_per_s": redis_written / seconds / 1e6 if redis_pid else None,
+        "checkpoint_mb_per_s": raw["written"] / seconds / 1e6,
+        "redis_peak_bytes": raw["redis_peak"],
+        "redis_aof_mb_per_s": (
+            None if raw["redis_written"] is None else raw["redis_written"] / seconds / 1e6
+        ),
         "delta_bytes_per_param": (folder / "delta-0.bin").stat().st_size / plan.fragment_numel(0),
         "seconds": seconds,
         "learners": rows,

@@ -93,9 +93,7 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, A
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     parts: list[bytes | memoryview] = [len(encoded).to_bytes(8, "little"), encoded]
-    parts += [
-        memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in flat.values() if t.numel()
-    ]
+    parts += [t.reshape(-1).view(torch.uint8).numpy().data for t in flat.values() if t.numel()]
     atomic_write(path, parts)
     return 8 + len(encoded) + offset
 

@@ -36,27 +36,34 @@ class PackedRows:
     changes its older bases need, not twice that."""
 
     def __init__(self, numel: int, codec: Codec) -> None:
-        self.numel = numel
+        self.numel = numel  # the most values a row holds: the largest fragment's
         self.scales, self.codes = kernels.new_rows(0, numel)
         self._free: list[int] = []
         self._raw = bytearray(codec.quantised_size(numel))  # payloads decompress here
 
     def pack(self, delta: Delta) -> PackedDelta:
         """WireError if the payload does not decode."""
-        return self._packed(np.frombuffer(delta.quantised(self._raw), dtype=np.uint8))
+        raw = delta.quantised(self._raw)
+        return self._packed(np.frombuffer(raw, dtype=np.uint8), delta.numel)
 
-    def pack_payload(self, payload: bytes | memoryview, codec: Codec) -> PackedDelta:
+    def pack_payload(self, payload: bytes | memoryview, codec: Codec, numel: int) -> PackedDelta:
         """An int2 payload of ``codec`` (one the syncer published itself) packed."""
-        return self._packed(
-            np.frombuffer(codec.quantised(payload, self.numel, self._raw), np.uint8)
-        )
+        raw = codec.quantised(payload, numel, self._raw)
+        return self._packed(np.frombuffer(raw, dtype=np.uint8), numel)
 
-    def _packed(self, raw: np.ndarray) -> PackedDelta:
+    def _packed(self, raw: np.ndarray, numel: int) -> PackedDelta:
+        if numel > self.numel:
+            raise ValueError(f"a packed delta of {numel} values in rows of {self.numel}")
         row = self._take()
         scales, codes = self.scales[row.index], self.codes[row.index]
-        kernels.unpack_int2(raw, self.numel, scales, codes)
-        squares, largest = kernels.int2_stats(scales, codes)
-        return PackedDelta(row, math.sqrt(squares), largest, self.numel)
+        kernels.unpack_int2(raw, numel, scales, codes)
+        # The row may have held a larger fragment's delta: its last tile's
+        # padding must be zero scales and codes again (the close reads it).
+        blocks, padded = -(-numel // kernels.BLOCK), kernels.padded_blocks(numel)
+        scales[blocks:padded] = 0.0
+        codes[-(-numel // 4) : padded * kernels.BLOCK // 4] = 0xAA
+        squares, largest = kernels.int2_stats(scales[:padded], codes[: padded * kernels.BLOCK // 4])
+        return PackedDelta(row, math.sqrt(squares), largest, numel)
 
     def _take(self) -> _Row:
         if not self._free:
@@ -99,11 +106,18 @@ class PackedDelta:
 class DeltaBuffers:
     """One fragment's decoded deltas: :meth:`decode` into a pooled fp32 buffer,
     or packed when ``packed`` (the compiled close merges int2 deltas with the
-    globals' blocks as codes); :meth:`release` gives a buffer back."""
+    globals' blocks as codes) into ``rows``, which the fragments of a syncer
+    share (a round holds its rows only until it closes, and the fragments'
+    rounds close in turn; rows of its own if None); :meth:`release` gives a
+    buffer back."""
 
-    def __init__(self, numel: int, codec: Codec, packed: bool) -> None:
+    def __init__(
+        self, numel: int, codec: Codec, packed: bool, rows: PackedRows | None = None
+    ) -> None:
         self.numel = numel
-        self.rows = PackedRows(numel, codec) if packed else None
+        if rows is not None and rows.numel < numel:
+            raise ValueError(f"rows of {rows.numel} values for a fragment of {numel}")
+        self.rows = (rows or PackedRows(numel, codec)) if packed else None
         self._free: list[torch.Tensor] = []
         self._pooled: dict[int, weakref.ref[torch.Tensor]] = {}
 

@@ -33,7 +33,7 @@ from syncer.admission import (
     Verdict,
 )
 from syncer.aggregation import normalised_weights
-from syncer.buffers import DeltaBuffers, PackedDelta
+from syncer.buffers import DeltaBuffers, PackedDelta, PackedRows
 from syncer.config import OuterConfig
 from syncer.merge import CompiledMerge, Merge, OuterState, Round, TorchMerge
 from syncer.quorum import Round as OpenRound
@@ -116,7 +116,10 @@ class FragmentState:
         *,
         published_s: float,
         epoch: int = 0,
+        rows: PackedRows | None = None,
     ) -> None:
+        """``rows``: where int2 deltas wait packed, shared by a syncer's fragments
+        (:class:`DeltaBuffers`)."""
         self.fragment = fragment
         self.epoch = epoch  # the lineage of these versions (kept in the checkpoint)
         self.outer, self.run = outer, run
@@ -135,7 +138,7 @@ class FragmentState:
             and not self.codec.sparse
             and self.codec.block_size == kernels.BLOCK
         )
-        self.buffers = DeltaBuffers(self.numel, self.codec, packed=compiled)
+        self.buffers = DeltaBuffers(self.numel, self.codec, packed=compiled, rows=rows)
         self.merge: Merge
         if self.buffers.rows is not None:
             self.merge = CompiledMerge(outer, self.codec, self.versions, self.buffers.rows)

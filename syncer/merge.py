@@ -243,8 +243,8 @@ class CompiledMerge:
         chained = {b: f for b, f in behind.items() if not versions.kept_as_weights(b)}
         for base in behind.keys() - chained.keys():
             dense.append((versions.shift(base)[0], behind[base]))  # type: ignore[arg-type]
-        for made, change in versions.changes_since(min(chained)) if chained else []:
-            packed.append(self.rows.pack_payload(change.payload, change.codec))
+        for made, published in versions.changes_since(min(chained)) if chained else []:
+            packed.append(self.rows.pack_payload(published.payload, published.codec, numel))
             factors.append(sum(f for base, f in chained.items() if base < made))
         merged_dense = torch.zeros(numel if dense else 0, dtype=torch.float32)
         for tensor, fraction in dense:

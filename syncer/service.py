@@ -35,6 +35,7 @@ from broker.errors import ConfigError
 from broker.initial_model import read_initial_model
 from broker.runtime import freeze_startup_heap
 from broker.transport import Inbound, SyncerTransport
+from syncer.buffers import PackedRows
 from syncer.checkpoint import load_fragment, load_manifest, save_fragment, save_manifest
 from syncer.closer import RoundCloser
 from syncer.config import SyncerConfig
@@ -95,10 +96,14 @@ class Syncer:
         # A fragment without a checkpoint starts a new epoch; a resumed one keeps
         # the epoch of its checkpoint, so learners' versions stay comparable.
         fresh_epoch = time.time_ns()
+        # One pool of packed delta rows for every owned fragment: a round holds
+        # rows only until it closes (syncer/buffers.py).
+        rows = PackedRows(max(self.plan.fragment_numel(p) for p in self.owned), run.delta_codec)
         for p in self.owned:
             state = FragmentState(
-                p, initial.fragment(p), outer, run, published_s=started_s, epoch=fresh_epoch
-            )
+                p, initial.fragment(p), outer, run,
+                published_s=started_s, epoch=fresh_epoch, rows=rows,
+            )  # fmt: skip
             saved = load_fragment(self.checkpoint_dir, p)
             if saved is not None:
                 state.load(*saved)

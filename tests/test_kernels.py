@@ -24,7 +24,7 @@ from broker.settings import RunSettings
 from broker.wire import Delta, weights_checksum
 from syncer import kernels
 from syncer.aggregation import l2_norm
-from syncer.buffers import DeltaBuffers
+from syncer.buffers import DeltaBuffers, PackedRows
 from syncer.config import OuterConfig
 from syncer.fragment_state import (
     ACCEPTED,
@@ -368,3 +368,36 @@ def test_gradients_are_taken_against_the_master_as_the_design_says(compiled: boo
     g = [master - (theta[v] - deltas[v]) for v in (current, behind)]
     expected = master - (g[0] + g[1]) / 2
     torch.testing.assert_close(state.master.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_fragments_sharing_their_rows_close_as_with_rows_of_their_own() -> None:
+    """A syncer's fragments share one pool of packed rows: a row that held a
+    larger fragment's delta, and then a smaller one's, must close the smaller
+    fragment bit for bit as a row of its own would (its last tile's padding is
+    zero again)."""
+    big, small = 3 * 4096 + 5, 4096 + 100 + 7
+    gen = torch.Generator().manual_seed(11)
+    shared = PackedRows(big, INT2)
+    large = FragmentState(
+        0, torch.randn(big, generator=gen), *params(quorum=1), published_s=T0, rows=shared
+    )
+    weights = torch.randn(small, generator=gen)
+    pooled = FragmentState(1, weights.clone(), *params(quorum=1), published_s=T0, rows=shared)
+    alone = FragmentState(1, weights.clone(), *params(quorum=1), published_s=T0)
+    for seq in range(1, 4):
+        # The large fragment's deltas fill the shared rows with nonzero codes everywhere.
+        offer_both(
+            [large],
+            [sent(f"l{m}", seq, large.version, torch.randn(big, generator=gen)) for m in range(2)],
+            T0 + seq,
+        )
+        large.close(T0 + seq, 2)
+        on = [pooled.version, max(pooled.version - 1, 0)]  # one behind: the kept changes too
+        deltas = [
+            sent(f"s{m}", seq, on[m], 1e-2 * torch.randn(small, generator=gen)) for m in range(2)
+        ]
+        offer_both([pooled, alone], deltas, T0 + seq)
+        pooled.close(T0 + seq, 2)
+        alone.close(T0 + seq, 2)
+        assert pooled.publication.payload == alone.publication.payload
+        assert torch.equal(pooled.master, alone.master)
