@@ -537,6 +537,102 @@ def _learner_overhead(params: int, workdir: str, results: Any) -> None:
     )
 
 
+@dataclass(frozen=True)
+class MemoryLoad:
+    """A memory-only run: one shard's fragment states driven as the service
+    drives them, without transport or learners."""
+
+    params: int  # of the fragments the shard owns
+    fragments: int  # P
+    sync_every: int  # H
+    learners: int  # M deltas per round
+    rounds: int  # per fragment
+
+
+MEMORY = {
+    "smoke": MemoryLoad(10_000_000, 4, 4, 4, 6),
+    "quick": MemoryLoad(250_000_000, 24, 24, 16, 6),
+    "full": MemoryLoad(1_000_000_000, 24, 24, 16, 6),
+}
+
+
+def shard_memory(load: MemoryLoad) -> dict[str, Any]:
+    """A shard's memory per parameter of its fragments: ``fragments`` fragment
+    states (:class:`syncer.fragment_state.FragmentState`, the defaults, one
+    pool of packed rows as the service has) through ``rounds`` rounds each of
+    ``learners`` int2+zstd deltas (:func:`synthetic_delta`), on bases spread
+    over the kept versions (learner m's on the version m mod S behind, so that
+    every kept change enters the close), each round closed and its
+    checkpoint state taken, fragment after fragment as their rounds close in
+    turn. ``held_bytes_per_param``: resident memory after the rounds, less
+    that before the states were made; ``peak_bytes_per_param``: the peak
+    during the rounds, less the same. In a child process, so that nothing
+    else is in its memory."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_shard_memory, args=(load, results))
+    child.start()
+    row: dict[str, Any] = results.get(timeout=3600)
+    child.join()
+    return row
+
+
+def _shard_memory(load: MemoryLoad, results: Any) -> None:
+    from syncer.buffers import PackedRows
+    from syncer.config import OuterConfig
+    from syncer.fragment_state import ACCEPTED, FragmentState
+
+    torch.set_num_threads(1)
+    status = Path("/proc/self/status")
+    run = RunSettings(
+        learners=load.learners, quorum=load.learners,
+        fragments=load.fragments, sync_every=load.sync_every,
+    )  # fmt: skip
+    outer = OuterConfig(max_tokens_per_step=1 << 20)
+    each = load.params // load.fragments
+    payload = synthetic_delta(each, run.delta_codec, seed=0)
+    FragmentState(0, torch.zeros(4096), outer, run, published_s=0.0)  # compiles the close
+    before = 1024 * _proc_figure(status.read_text(), "VmRSS")
+    rows = PackedRows(each, run.delta_codec)
+    states = []
+    for p in range(load.fragments):
+        weights = 0.02 * torch.randn(each, generator=torch.Generator().manual_seed(p))
+        states.append(FragmentState(p, weights, outer, run, published_s=0.0, rows=rows))
+        del weights
+    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on (VmHWM)
+    refused = 0
+    started = time.monotonic()
+    for r in range(load.rounds):
+        wall_s = 10.0 * (r + 1)
+        for state in states:
+            for m in range(load.learners):
+                base = max(state.version - m % outer.staleness, state.versions.kept[0])
+                delta = Delta(
+                    run_id=RUN_ID, learner_id=f"learner-{m}", incarnation=1, seq=r + 1,
+                    fragment=state.fragment, base_version=base, step=ADAM_STEPS * (r + 1),
+                    c_steps=ADAM_STEPS, c_tokens=ADAM_STEPS * TOKENS_PER_STEP,
+                    codec=run.delta_codec, numel=each, payload=payload,
+                )  # fmt: skip
+                offered = state.offer(
+                    delta, state.decode(delta), None, 0.0, wall_s=wall_s, step_s=None
+                )
+                refused += offered != ACCEPTED
+            state.close(wall_s + 1.0, load.learners)
+            state.state()  # what a checkpoint reads (written straight from these tensors)
+    text = status.read_text()
+    held, peak = (1024 * _proc_figure(text, key) - before for key in ("VmRSS", "VmHWM"))
+    results.put(
+        {
+            "load": asdict(load),
+            "held_bytes_per_param": round(held / load.params, 2),
+            "peak_bytes_per_param": round(peak / load.params, 2),
+            "packed_rows": len(rows.scales),
+            "refused_deltas": refused,
+            "seconds": round(time.monotonic() - started, 1),
+        }
+    )
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     """The ``q`` quantile of ``values`` (the nearest rank at or above it), None when empty."""
     if not values:

@@ -41,6 +41,15 @@ class PackedRows:
         self._free: list[int] = []
         self._raw = bytearray(codec.quantised_size(numel))  # payloads decompress here
 
+    @property
+    def rows(self) -> int:
+        return len(self.scales)
+
+    @property
+    def in_use(self) -> int:
+        """Rows some :class:`PackedDelta` still holds."""
+        return len(self.scales) - len(self._free)
+
     def pack(self, delta: Delta) -> PackedDelta:
         """WireError if the payload does not decode."""
         raw = delta.quantised(self._raw)
@@ -71,7 +80,9 @@ class PackedRows:
             scales, codes = kernels.new_rows(taken + max(taken // 4, 4), self.numel)
             scales[:taken], codes[:taken] = self.scales, self.codes
             self.scales, self.codes = scales, codes
-            self._free = list(range(len(scales) - 1, taken - 1, -1))
+            # In place: rows taken before come back to this same list
+            # (their finalizers hold it).
+            self._free.extend(range(len(scales) - 1, taken - 1, -1))
         row = _Row(self._free.pop())
         weakref.finalize(row, self._free.append, row.index)
         return row

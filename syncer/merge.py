@@ -36,7 +36,7 @@ from syncer.aggregation import (
 from syncer.buffers import PackedDelta, PackedRows
 from syncer.config import OuterConfig
 from syncer.outer import nesterov_step
-from syncer.versions import Publication, Versions, canonical, unshared
+from syncer.versions import Publication, Versions, canonical
 
 # Values per chunk of a round's merge and outer step, done chunk by chunk so
 # that each chunk's merged values are still in the cache for the step.
@@ -188,10 +188,6 @@ class CompiledMerge:
         self.versions = versions
         self.rows = rows
         kernels.warm_up()
-        # The master and momentum before the last step, written over by the next
-        # one when it is not in place (fresh memory costs page faults).
-        self._spare_master: torch.Tensor | None = None
-        self._spare_momentum: torch.Tensor | None = None
         # Bounds on the largest magnitudes of the master and the momentum.
         self._master_magnitude: float | None = None
         self._momentum_magnitude: float | None = None
@@ -210,16 +206,6 @@ class CompiledMerge:
             momentum = state.momentum
             self._momentum_magnitude = 0.0 if momentum is None else max_abs(momentum)
         return self._momentum_magnitude
-
-    def _reusable(self, name: str, numel: int) -> torch.Tensor:
-        """The spare tensor of attribute ``name``, taken, to write new values into;
-        a new one if there is none or anything else holds it (a caller may hold
-        the momentum)."""
-        spare = getattr(self, name)
-        setattr(self, name, None)
-        if spare is None or not unshared(spare):
-            return torch.empty(numel, dtype=torch.float32)
-        return spare
 
     def step(self, state: OuterState, merged: Round) -> Stepped | None:
         o, versions = self.outer, self.versions
@@ -275,8 +261,12 @@ class CompiledMerge:
             master = state.master
             momentum = torch.empty(numel) if state.momentum is None else state.momentum
         else:
-            master = self._reusable("_spare_master", numel)
-            momentum = self._reusable("_spare_momentum", numel)
+            # New memory, the old state kept until the step is accepted: the
+            # first step (the first version is the master itself), or one the
+            # bounds cannot clear. No spare is kept for it: 8 bytes per
+            # parameter held for a rare step.
+            master = torch.empty(numel, dtype=torch.float32)
+            momentum = torch.empty(numel, dtype=torch.float32)
         # The new version goes over the current one when the step cannot
         # overflow and nothing else holds it (a transport may still serve its
         # bytes as the snapshot; the first version is the master itself): each
@@ -326,11 +316,7 @@ class CompiledMerge:
         )
 
     def accepted(self, old: OuterState, new: Stepped) -> None:
-        if new.master is not old.master:  # not in place: the old one is spare
-            self._spare_master = old.master
-        if new.momentum is not old.momentum:
-            self._spare_momentum = old.momentum
+        pass  # nothing of the old state is kept
 
     def reset(self) -> None:
-        self._spare_master = self._spare_momentum = None
         self._master_magnitude = self._momentum_magnitude = None

@@ -401,3 +401,16 @@ def test_fragments_sharing_their_rows_close_as_with_rows_of_their_own() -> None:
         alone.close(T0 + seq, 2)
         assert pooled.publication.payload == alone.publication.payload
         assert torch.equal(pooled.master, alone.master)
+
+
+def test_rows_come_back_after_the_pool_grew() -> None:
+    """Rows taken before the pool grew come back to it when their deltas go:
+    the pool stays the size of the most deltas held at once."""
+    rows = PackedRows(1000, INT2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        held = [rows.pack(sent("a", 1, 0, torch.randn(1000, generator=gen))) for _ in range(9)]
+        assert rows.in_use == 9
+        del held
+        assert rows.in_use == 0
+    assert rows.rows == 12  # 4 rows at a time: never past what 9 deltas need
