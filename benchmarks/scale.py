@@ -39,6 +39,10 @@ Reported per run (``scale-<mode>.json``):
   parameter, beyond model, gradients and AdamW's state
   (:func:`learner_overhead`; 10M parameters in the smoke, 100M otherwise).
 
+Besides the runs, ``shard_memory``: one shard's memory per parameter, with
+no transport (:func:`shard_memory`): 10M parameters in the smoke, 250M in
+``--quick``, 1B in the full mode.
+
 Modes: ``--smoke`` (CI, under a minute): 10M parameters, P = 4, H = 4, M = 4,
 steps of 0.25 s, two ZeroMQ shards. ``--quick``: 250M parameters, P = 24,
 H = 24, M = 16, steps of 1 s, over Redis with one shard. Full: that load over
@@ -53,6 +57,7 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import resource
 import shutil
 import signal
@@ -478,11 +483,26 @@ def learner_overhead(params: int, workdir: Path) -> dict[str, Any]:
     it is wrapped, against its peak over 3 x H steps wrapped in
     :class:`~learner.library.DecoupledDiLoCo` at the defaults, against a local
     syncer. Run in a child process, so that nothing else is in its memory."""
+    return _in_child(_learner_overhead, params, str(workdir))
+
+
+def _in_child(target: Any, *args: Any) -> dict[str, Any]:
+    """``target(*args, results)`` in a fresh process; the row it puts on ``results``
+    (RuntimeError if it exits without one)."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=_learner_overhead, args=(params, str(workdir), results))
+    child = ctx.Process(target=target, args=(*args, results))
     child.start()
-    row: dict[str, Any] = results.get(timeout=1200)
+    while True:
+        try:
+            row: dict[str, Any] = results.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if not child.is_alive():
+                exitcode = child.exitcode
+                raise RuntimeError(
+                    f"{target.__name__} exited ({exitcode}) with no figures"
+                ) from None
     child.join()
     return row
 
@@ -568,13 +588,7 @@ def shard_memory(load: MemoryLoad) -> dict[str, Any]:
     that before the states were made; ``peak_bytes_per_param``: the peak
     during the rounds, less the same. In a child process, so that nothing
     else is in its memory."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=_shard_memory, args=(load, results))
-    child.start()
-    row: dict[str, Any] = results.get(timeout=3600)
-    child.join()
-    return row
+    return _in_child(_shard_memory, load)
 
 
 def _shard_memory(load: MemoryLoad, results: Any) -> None:
@@ -609,8 +623,8 @@ def _shard_memory(load: MemoryLoad, results: Any) -> None:
                 base = max(state.version - m % outer.staleness, state.versions.kept[0])
                 delta = Delta(
                     run_id=RUN_ID, learner_id=f"learner-{m}", incarnation=1, seq=r + 1,
-                    fragment=state.fragment, base_version=base, step=ADAM_STEPS * (r + 1),
-                    c_steps=ADAM_STEPS, c_tokens=ADAM_STEPS * TOKENS_PER_STEP,
+                    fragment=state.fragment, base_version=base, step=load.sync_every * (r + 1),
+                    c_steps=load.sync_every, c_tokens=load.sync_every * TOKENS_PER_STEP,
                     codec=run.delta_codec, numel=each, payload=payload,
                 )  # fmt: skip
                 offered = state.offer(
@@ -659,12 +673,20 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(measure(load, workdir))
             shown = {k: v for k, v in runs[-1].items() if k != "learners"}
             print(json.dumps(shown, indent=1), flush=True)
+        memory = shard_memory(MEMORY[mode])
+        print(json.dumps({"shard_memory": memory}), flush=True)
         learner = learner_overhead(LEARNER_PARAMS[mode], workdir)
         print(json.dumps({"learner_overhead": learner}), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     path = out / f"scale-{mode}.json"
-    report = {"benchmark": "scale", "mode": mode, "runs": runs, "learner_overhead": learner}
+    report = {
+        "benchmark": "scale",
+        "mode": mode,
+        "runs": runs,
+        "shard_memory": memory,
+        "learner_overhead": learner,
+    }
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
