@@ -35,7 +35,7 @@ _DTYPES = {
 }
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -57,7 +57,7 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_private(path: Path, text: str, mode: int = 0o600) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from broker.transport import Inbound, SyncerTransport
 from broker.wire import Delta, GlobalFragment
-from syncer.checkpoint import save_fragment
+from syncer.checkpoint import append_change, save_fragment
 from syncer.fragment_state import QUARANTINED, FragmentState, Publication, RoundOverflow
 from syncer.membership import Membership
 from syncer.metrics import SyncerMetrics
@@ -31,6 +31,8 @@ class RoundCloser:
         run_id: str,
         plan_hash: str,
         checkpoint_dir: Path,
+        full_every: int,
+        logged: dict[int, int],
         membership: Membership,
         metrics: SyncerMetrics,
         transport: SyncerTransport,
@@ -43,6 +45,8 @@ class RoundCloser:
         self.run_id = run_id
         self.plan_hash = plan_hash
         self.checkpoint_dir = checkpoint_dir
+        self.full_every = full_every
+        self._logged = logged  # per fragment, rounds in its log since its full state
         self.membership = membership
         self.metrics = metrics
         self.transport = transport
@@ -101,8 +105,7 @@ class RoundCloser:
             self._answer(result.refs, result.refused)
             state.round_done(0.0, quorum)
             return
-        tensors, meta = state.state()
-        save_fragment(self.checkpoint_dir, p, tensors, meta)  # durable before anything leaves
+        self.checkpoint(p)  # durable before anything leaves
         self.crash_point("after_checkpoint")
         self.publish(p)
         self.crash_point("before_ack")
@@ -119,6 +122,24 @@ class RoundCloser:
             "quorum_to_publish_s": latency_s,
         }
         self.metrics.round(p, result, quorum, timings)
+
+    def checkpoint(self, p: int) -> int:
+        """Make fragment p's new version durable: its change appended to the log,
+        or every ``full_every`` rounds (and for a version published whole) its
+        full state. Returns the bytes written."""
+        state = self.states[p]
+        tensors, meta = state.state()
+        logged = self._logged.get(p, 0)
+        if state.publication.is_change and logged + 1 < self.full_every:
+            written = append_change(
+                self.checkpoint_dir, p, state.version, state.publication.payload, meta
+            )
+            self._logged[p] = logged + 1
+        else:
+            written = save_fragment(self.checkpoint_dir, p, tensors, meta)
+            self._logged[p] = 0
+        self.metrics.checkpoint_bytes += written
+        return written
 
     def republish_idle(self, now: float, period_s: float) -> None:
         """Publish again a fragment that has not moved for ``period_s``.

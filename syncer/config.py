@@ -66,6 +66,9 @@ class SyncerConfig:
     syncer_id: str = "syncer-0"
     owned_fragments: tuple[int, ...] | None = None  # None: all of them
     checkpoint_dir: str = "syncer-checkpoint"
+    # A fragment's full state is written every this many of its rounds; the
+    # rounds between append their compact change to a log (syncer/checkpoint.py).
+    full_checkpoint_every: int = 16
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_file: str | None = None  # JSON lines of rounds and rejections
     # Without it, a syncer whose checkpoint folder lacks fragments the broker holds
@@ -76,6 +79,7 @@ class SyncerConfig:
     def __post_init__(self) -> None:
         check_id("syncer_id", self.syncer_id)
         check_int("metrics_port", self.metrics_port, minimum=0)
+        check_int("full_checkpoint_every", self.full_checkpoint_every)
         if self.crash_at:
             check_choice("crash_at", self.crash_at, CRASH_POINTS)
         if self.owned_fragments is not None:

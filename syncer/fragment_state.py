@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from broker.codecs import Codec, apply_change
 from broker.errors import ConfigError, TrustError
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
-from broker.wire import Delta
+from broker.wire import Delta, weights_checksum
 from syncer import kernels
 from syncer.admission import (
     ACCEPTED,
@@ -354,4 +355,26 @@ class FragmentState:
         )
         self.merge.reset()
         self.epoch = int(meta.get("epoch", self.epoch))
+        self.admission.load(meta)
+
+    def replay(self, version: int, change: bytes, meta: dict[str, Any]) -> None:
+        """A round logged after the loaded state (:mod:`syncer.checkpoint`): its
+        change rebuilds the version exactly as learners built it, and the
+        small state (de-duplication, token accounting, quarantine windows) is
+        the round's. The master becomes that version, losing its lead (the
+        rounding error not yet published, which the log does not hold), and
+        the momentum stays the loaded one."""
+        if version != self.version + 1 or meta.get("epoch", self.epoch) != self.epoch:
+            raise ConfigError(
+                f"fragment {self.fragment}: a logged round of version {version} does not "
+                f"follow version {self.version}"
+            )
+        codec = Codec.parse(meta["codec"])
+        rebuilt = apply_change(self.weights, codec.decode(change, self.numel))
+        publication = Publication(change, codec, True, weights_checksum(rebuilt))
+        published_s = float(meta.get("published_at", {}).get(str(version), 0.0))
+        self.versions.push(rebuilt, publication, published_s)
+        self.versions.restarted(self.codec)
+        self.outer_state = OuterState(rebuilt, self.momentum)
+        self.merge.reset()
         self.admission.load(meta)

@@ -76,6 +76,7 @@ class SyncerMetrics:
         self.weights_clipped = 0
         self.heartbeats_ignored = 0
         self.merged_tokens = 0
+        self.checkpoint_bytes = 0  # written to checkpoints and their logs
 
     def event(self, kind: str, **fields: Any) -> None:
         self.events.write(kind, **fields)
@@ -158,6 +159,7 @@ class SyncerMetrics:
             "weights_clipped": self.weights_clipped,
             "heartbeats_ignored": self.heartbeats_ignored,
             "merged_tokens": self.merged_tokens,
+            "checkpoint_bytes": self.checkpoint_bytes,
             "bytes_received": stats.bytes_received,
             "bytes_sent": stats.bytes_sent,
         }

@@ -36,7 +36,13 @@ from broker.initial_model import read_initial_model
 from broker.runtime import freeze_startup_heap
 from broker.transport import Inbound, SyncerTransport
 from syncer.buffers import PackedRows
-from syncer.checkpoint import load_fragment, load_manifest, save_fragment, save_manifest
+from syncer.checkpoint import (
+    load_fragment,
+    load_manifest,
+    read_changes,
+    save_fragment,
+    save_manifest,
+)
 from syncer.closer import RoundCloser
 from syncer.config import SyncerConfig
 from syncer.fragment_state import FragmentState
@@ -96,6 +102,7 @@ class Syncer:
         # A fragment without a checkpoint starts a new epoch; a resumed one keeps
         # the epoch of its checkpoint, so learners' versions stay comparable.
         fresh_epoch = time.time_ns()
+        logged: dict[int, int] = {}  # per fragment, rounds in its log
         # One pool of packed delta rows for every owned fragment: a round holds
         # rows only until it closes (syncer/buffers.py).
         rows = PackedRows(max(self.plan.fragment_numel(p) for p in self.owned), run.delta_codec)
@@ -107,6 +114,13 @@ class Syncer:
             saved = load_fragment(self.checkpoint_dir, p)
             if saved is not None:
                 state.load(*saved)
+                # The rounds logged after the full state, in order (older ones:
+                # a crash between the full state's rename and the log's removal).
+                records = read_changes(self.checkpoint_dir, p)
+                for version, change, meta in records:
+                    if version > state.version:
+                        state.replay(version, change, meta)
+                logged[p] = len(records)
                 resumed.append(f"{p}@v{state.version}")
             else:
                 fresh.append(p)
@@ -143,6 +157,8 @@ class Syncer:
             run_id=run.run_id,
             plan_hash=self.plan.plan_hash,
             checkpoint_dir=self.checkpoint_dir,
+            full_every=cfg.full_checkpoint_every,
+            logged=logged,
             membership=self.membership,
             metrics=self.metrics,
             transport=self.transport,

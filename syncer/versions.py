@@ -246,6 +246,20 @@ class Versions:
             self._magnitudes[self.version] = magnitude
         self._shifts = {}
 
+    def restarted(self, codec: Codec) -> None:
+        """After a restart: the current version goes out whole (learners that hold
+        it ignore it, the others take it), and older versions are kept only
+        through changes in ``codec`` (the run's codec now)."""
+        while any(change.codec != codec for change in self._changes.values()):
+            self._changes.popitem(last=False)
+        if self._changes:
+            self._weights.clear()  # older than the changes' chain: it no longer reaches them
+        self._views, self._shifts = [], {}
+        kept = set(self.kept)
+        self._magnitudes = {v: m for v, m in self._magnitudes.items() if v in kept}
+        self.published_at = {v: t for v, t in self.published_at.items() if v in kept}
+        self.publication = self._viewed(as_weights(self.current))
+
     # -- checkpoint state ------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
         """``version.N``: the current version (and older ones kept as weights);
@@ -291,8 +305,6 @@ class Versions:
         self._changes = OrderedDict(reversed(self._changes.items()))
         while len(self._weights) + len(self._changes) > self.depth - 1:
             (self._weights or self._changes).popitem(last=False)
-        self._views, self._shifts = [], {}
-        kept = set(self.kept)
-        self._magnitudes = {v: m for v, m in magnitudes.items() if v in kept}
-        self.publication = self._viewed(as_weights(self.current))
+        self._magnitudes = dict(magnitudes)
         self.published_at = {v: published_at.get(v, 0.0) for v in self.kept}
+        self.restarted(codec)

@@ -11,9 +11,12 @@ from safetensors import safe_open
 
 from broker.files import atomic_write
 from syncer.checkpoint import (
+    append_change,
     fragment_path,
     load_fragment,
     load_manifest,
+    log_path,
+    read_changes,
     save_fragment,
     save_manifest,
 )
@@ -124,3 +127,41 @@ def test_manifest_round_trip(tmp_path: Path) -> None:
     save_manifest(tmp_path, {"run_id": "r2"})
     assert load_manifest(tmp_path) == {"run_id": "r2"}
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+def test_log_records_come_back_in_order(tmp_path: Path) -> None:
+    for v in (5, 6, 7):
+        append_change(tmp_path, 3, v, bytes([v]) * 100, {"version": v, "applied": {"a": [0, v]}})
+    records = read_changes(tmp_path, 3)
+    assert [(v, change, meta["applied"]) for v, change, meta in records] == [
+        (v, bytes([v]) * 100, {"a": [0, v]}) for v in (5, 6, 7)
+    ]
+    assert read_changes(tmp_path, 4) == []
+
+
+@pytest.mark.parametrize("cut", [1, 7, 50])
+def test_a_record_cut_short_ends_the_log_and_is_cut_off(tmp_path: Path, cut: int) -> None:
+    """A crash while a record was written: the records before it stand, it is
+    dropped (its round was never published), and the next record follows them."""
+    append_change(tmp_path, 0, 1, b"one", {})
+    append_change(tmp_path, 0, 2, b"two" * 30, {})
+    path = log_path(tmp_path, 0)
+    path.write_bytes(path.read_bytes()[:-cut])
+    assert [v for v, _, _ in read_changes(tmp_path, 0)] == [1]
+    append_change(tmp_path, 0, 2, b"again", {})
+    assert [(v, c) for v, c, _ in read_changes(tmp_path, 0)] == [(1, b"one"), (2, b"again")]
+
+
+def test_a_damaged_record_ends_the_log(tmp_path: Path) -> None:
+    append_change(tmp_path, 0, 1, b"one", {})
+    append_change(tmp_path, 0, 2, b"two", {})
+    data = bytearray(log_path(tmp_path, 0).read_bytes())
+    data[-2] ^= 0xFF  # in the second record's body: its CRC no longer matches
+    log_path(tmp_path, 0).write_bytes(bytes(data))
+    assert [v for v, _, _ in read_changes(tmp_path, 0)] == [1]
+
+
+def test_a_full_state_drops_the_log(tmp_path: Path) -> None:
+    append_change(tmp_path, 2, 1, b"one", {})
+    save_fragment(tmp_path, 2, {"version.1": torch.ones(4)}, {"version": 1})
+    assert not log_path(tmp_path, 2).exists() and read_changes(tmp_path, 2) == []

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from broker.codecs import Codec, apply_change
+from broker.errors import ConfigError
 from broker.settings import RunSettings
 from broker.wire import Delta, weights_checksum
 from syncer.aggregation import rebased_weighted_mean
@@ -863,3 +864,51 @@ def test_lossy_downlink_keeps_the_outer_optimizer_in_fp32() -> None:
         np.testing.assert_allclose(np64(state.master), master, atol=1e-6)
         change = codec.decode(codec.encode(state.master - previous, fit_scales=True), N)
         assert torch.equal(state.weights, apply_change(previous, change))
+
+
+@pytest.mark.parametrize("codec", ["int2+zstd", "int8"])
+def test_a_full_state_and_the_logged_rounds_after_it_restore_the_fragment(codec: str) -> None:
+    """syncer/checkpoint.py: a full state, then each later round's published
+    change and small state. Replayed, they give the versions learners built,
+    bit for bit, and the de-duplication state of the last round; the master
+    is the version (its lead is not logged), the momentum the full state's."""
+    state = FragmentState(0, f32(W0), *params(quorum=1, codec=codec), published_s=T0)
+    gen = np.random.default_rng(0)
+    full = None
+    records = []
+    for seq in range(1, 7):
+        d = delta("a", seq, state.version, step=4 * seq)
+        assert offer(state, d, gen.normal(0, 0.1, N)) == ACCEPTED
+        state.close(T1 + seq)
+        tensors, meta = state.state()
+        if seq == 2:
+            full = ({k: v.clone() for k, v in tensors.items()}, meta)
+        elif seq > 2:
+            records.append((state.version, bytes(state.publication.payload), meta))
+    assert full is not None
+    fresh = FragmentState(0, torch.zeros(N), *params(quorum=1, codec=codec), published_s=T0)
+    fresh.load(*full)
+    momentum = fresh.momentum
+    for version, change, meta in records:
+        fresh.replay(version, change, meta)
+    assert fresh.version == state.version == 6
+    assert torch.equal(fresh.weights, state.weights)
+    assert fresh.versions.kept == state.versions.kept
+    for v in state.versions.kept[:-1]:
+        shift, expected = fresh.versions.shift(v)[0], state.versions.shift(v)[0]
+        assert shift is not None and expected is not None and torch.equal(shift, expected)
+    assert fresh.applied == state.applied == {"a": (0, 6)}
+    assert fresh.published_at == state.published_at
+    assert torch.equal(fresh.master, fresh.weights) and fresh.momentum is momentum
+    assert not fresh.publication.is_change  # after a restart it goes out whole
+    # It goes on: a replayed delta is a duplicate, the next one is merged.
+    assert offer(fresh, delta("a", 6, 5, step=24), np.zeros(N)) == DUPLICATE
+    assert offer(fresh, delta("a", 7, 6, step=28), gen.normal(0, 0.1, N)) == ACCEPTED
+    assert fresh.close(T1 + 10).version == 7
+
+
+def test_a_logged_round_that_does_not_follow_is_refused() -> None:
+    state = two_rounds("int8")
+    tensors, meta = state.state()
+    with pytest.raises(ConfigError, match="does not follow"):
+        state.replay(state.version + 2, b"", meta)
