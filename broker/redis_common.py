@@ -400,7 +400,15 @@ class Reconnect:
         self.failures += 1
         delay_s = self._backoff.compute(self.failures)
         self._retry_at = time.monotonic() + delay_s
-        if self.failures == 1 and isinstance(error, _REFUSED):
+        if self.failures == 1 and isinstance(error, redis.exceptions.OutOfMemoryError):
+            log.error(
+                "%s: redis is out of memory (its maxmemory, nothing evicted): nothing is "
+                "dropped, everything waits queued here while it retries with backoff; "
+                "raise redis's maxmemory, or see why the syncer does not keep up (%s)",
+                self._what,
+                error,
+            )
+        elif self.failures == 1 and isinstance(error, _REFUSED):
             log.info("%s: not admitted by redis yet (%s); retrying", self._what, error)
         elif self.failures == 1:
             log.warning("%s: redis unavailable (%s); retrying with backoff", self._what, error)
@@ -432,11 +440,13 @@ class RedisLink:
         client: redis.Redis,
         what: str,
         on_failure: Callable[[Exception], None] | None = None,
+        stats: TransportStats | None = None,
     ) -> None:
         self.client = client
         self.reconnect = Reconnect(what)
         self.errors = 0
         self._on_failure = on_failure
+        self._stats = stats  # counts out-of-memory replies
 
     def backing_off(self) -> bool:
         """Whether the next request must wait for the backoff."""
@@ -444,6 +454,8 @@ class RedisLink:
 
     def failed(self, error: Exception) -> None:
         self.errors += 1
+        if self._stats is not None and isinstance(error, redis.exceptions.OutOfMemoryError):
+            self._stats.out_of_memory += 1
         if self._on_failure is not None:
             self._on_failure(error)
         self.reconnect.failed(error)

@@ -127,7 +127,9 @@ class RedisLearnerTransport(LearnerTransport):
         self._enrolled_at = -float("inf")  # the last try
         self._enroll_due = 0.0
         self._told = ""  # the last refusal logged
-        self._link = RedisLink(client, f"learner {learner_id}", self._refused_by_redis)
+        self._link = RedisLink(
+            client, f"learner {learner_id}", self._refused_by_redis, stats=self.stats
+        )
         self._deltas = DeltaQueue(
             self._link,
             run_id,

@@ -189,7 +189,9 @@ class RedisSyncerTransport(SyncerTransport):
             self.stats,
         )
         # A transient error may have lost a reply that delivered entries to us.
-        self._link = RedisLink(client, f"syncer {consumer}", lambda _: self._deltas.reset_pending())
+        self._link = RedisLink(
+            client, f"syncer {consumer}", lambda _: self._deltas.reset_pending(), stats=self.stats
+        )
         self._trimmer = DeltaTrimmer(
             client, run_id, consumer, group, self._deltas.streams, self.stats
         )

@@ -88,6 +88,9 @@ class TransportStats:
     # Snapshot requests left unanswered because the same peer was answered within
     # the rate limit: flow control (a learner asks again), not a refused message.
     rate_limited: int = 0
+    # Requests a broker refused for want of memory (Redis at maxmemory, nothing
+    # evicted): backed off and tried again, nothing dropped.
+    out_of_memory: int = 0
 
 
 @dataclass(frozen=True)

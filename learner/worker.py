@@ -228,6 +228,7 @@ class Learner:
             "ranks_consistent": self.group.consistent(self.model),
             "globals_rejected": dict(sync.globals_rejected),
             "deltas_refused": dict(sync.stats.refused),  # by the syncer, by reason
+            "broker_out_of_memory": sync.stats.out_of_memory,  # refusals waited out
             "steps_per_s_sync_on": sync.steps_per_s(True),
             "steps_per_s_sync_off": sync.steps_per_s(False),
         }

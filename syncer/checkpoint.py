@@ -81,11 +81,13 @@ def append_change(
     return len(record)
 
 
-def read_changes(directory: Path, fragment: int) -> list[tuple[int, bytes, dict[str, Any]]]:
+def read_changes(
+    directory: Path, fragment: int, *, cut: bool = False
+) -> list[tuple[int, bytes, dict[str, Any]]]:
     """The records of the fragment's log, in order: (version, change, meta). A
-    record cut short or damaged (a crash while it was written) ends the log:
-    the file is cut back to the records before it, so that later records
-    follow them."""
+    record cut short or damaged (a crash while it was written) ends the log;
+    with ``cut`` (the syncer, as it starts) the file is cut back to the
+    records before it, so that the records it appends follow them."""
     path = log_path(directory, fragment)
     if not path.exists():
         return []
@@ -99,7 +101,7 @@ def read_changes(directory: Path, fragment: int) -> list[tuple[int, bytes, dict[
         record = msgpack.unpackb(body, raw=False)
         records.append((int(record["version"]), record["change"], record["meta"]))
         at += _RECORD_HEAD.size + length
-    if at < len(data):
+    if cut and at < len(data):
         with open(path, "r+b") as f:
             f.truncate(at)
             os.fsync(f.fileno())

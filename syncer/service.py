@@ -116,7 +116,7 @@ class Syncer:
                 state.load(*saved)
                 # The rounds logged after the full state, in order (older ones:
                 # a crash between the full state's rename and the log's removal).
-                records = read_changes(self.checkpoint_dir, p)
+                records = read_changes(self.checkpoint_dir, p, cut=True)
                 for version, change, meta in records:
                     if version > state.version:
                         state.replay(version, change, meta)

@@ -148,6 +148,7 @@ def test_a_record_cut_short_ends_the_log_and_is_cut_off(tmp_path: Path, cut: int
     path = log_path(tmp_path, 0)
     path.write_bytes(path.read_bytes()[:-cut])
     assert [v for v, _, _ in read_changes(tmp_path, 0)] == [1]
+    assert [v for v, _, _ in read_changes(tmp_path, 0, cut=True)] == [1]
     append_change(tmp_path, 0, 2, b"again", {})
     assert [(v, c) for v, c, _ in read_changes(tmp_path, 0)] == [(1, b"one"), (2, b"again")]
 

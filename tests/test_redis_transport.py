@@ -385,6 +385,32 @@ def test_outage_queues_deltas_and_globals_then_backpressure_then_delivers(
     syncer.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_learner_that_redis_refuses_for_memory_backs_off_counts_it_and_delivers_later(
+    redis_server: RedisServer,
+) -> None:
+    """Redis at its maxmemory with noeviction (as the compose cluster runs it)
+    answers writes with OOM: the learner queues, backs off, counts each such
+    reply, loses nothing, and delivers once there is room again."""
+    admin = redis_server.client()
+    learner = RedisLearnerTransport(redis_server.url, RUN, "learner-0", 0, num_fragments=1)
+    syncer = RedisSyncerTransport(redis_server.url, RUN, "syncer-0", [0])
+    assert syncer.receive(0.1) == []  # its group exists
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]))
+    try:
+        for seq in range(4):
+            learner.send_delta(make_delta("learner-0", seq, 0))  # queued, not raised
+        assert not learner.flush(1.0) and learner.unacked == 4
+        assert learner.stats.out_of_memory > 0
+    finally:
+        admin.config_set("maxmemory", 0)
+    assert learner.flush(15.0)
+    assert sorted(seq_of(i) for i in receive_until(syncer, 4)) == list(range(4))
+    learner.close()
+    syncer.close()
+
+
 # -- 4. a dead consumer's pending entries are claimed --------------------------------
 @pytest.mark.timeout(60)
 def test_second_consumer_claims_pending_entries_of_a_dead_one(redis_server: RedisServer) -> None:

@@ -29,7 +29,7 @@ import pytest
 import redis
 import torch
 
-from broker.codecs import Codec
+from broker.codecs import Codec, apply_change
 from broker.connect import connect_learner
 from broker.keys import RunKeys
 from broker.redis_access import SYNCER_USER
@@ -41,7 +41,7 @@ from learner.config import WorkloadConfig
 from learner.library import MIN_QUEUED_BYTES
 from learner.model import ModelConfig
 from learner.workload import write_initial
-from syncer.checkpoint import load_fragment
+from syncer.checkpoint import load_fragment, read_changes
 from syncer.config import CRASH_POINTS, SyncerConfig
 from tests.servers import RedisServer, run_keys, wait_until
 
@@ -247,7 +247,7 @@ def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_
 
     def applied_in_checkpoint() -> bool:
         """Every delta sent is recorded as applied by the checkpoint of its fragment."""
-        saved = [load_fragment(syncer.checkpoint_dir, p) for p in range(FRAGMENTS)]
+        saved = [durable_state(syncer.checkpoint_dir, p) for p in range(FRAGMENTS)]
         applied = [s[1]["applied"] if s else {} for s in saved]
         return all(
             (inc, seq) <= tuple(applied[p].get(learner, (0, 0)))
@@ -269,7 +269,7 @@ def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_
 
         def learners_hold_the_checkpoint() -> bool:
             keep_going()
-            saved = [load_fragment(syncer.checkpoint_dir, p) for p in range(FRAGMENTS)]
+            saved = [durable_state(syncer.checkpoint_dir, p) for p in range(FRAGMENTS)]
             return all(s and s[1]["version"] == latest[p].version for p, s in enumerate(saved))
 
         wait_until(learners_hold_the_checkpoint, 10, what="the learners to get the last globals")
@@ -289,9 +289,9 @@ def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_
     unlogged = 1 if crash_at in ("after_checkpoint", "before_ack") else 0
     missing = set(fragment_of) - set(keys)
     for p in range(FRAGMENTS):
-        saved = load_fragment(syncer.checkpoint_dir, p)
+        saved = durable_state(syncer.checkpoint_dir, p)
         assert saved is not None
-        tensors, meta = saved
+        weights, meta = saved
         logged = [e["version"] for e in events if e["event"] == "round" and e["fragment"] == p]
         assert len(logged) == len(set(logged)), "a version published twice"
         # Each round adds one version: a round merged again would add one more.
@@ -299,10 +299,27 @@ def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_
         assert latest[p].version == meta["version"]
         # The learners' last global makes exactly the checkpoint's version (a
         # change names the checksum of the weights it makes).
-        assert latest[p].weights_crc == weights_checksum(tensors[f"version.{meta['version']}"])
+        assert latest[p].weights_crc == weights_checksum(weights)
     assert unlogged == 0
     # The unlogged round's deltas are all of one fragment, applied (checked above).
     assert len({fragment_of[key] for key in missing}) <= 1
+
+
+def durable_state(directory: Path, p: int) -> tuple[torch.Tensor, dict[str, Any]] | None:
+    """Fragment p's durable state as a restart reads it (syncer/checkpoint.py),
+    rebuilt here: the full state's current version and small state, then each
+    logged round's change applied as learners apply it, and its small state."""
+    saved = load_fragment(directory, p)
+    if saved is None:
+        return None
+    tensors, meta = saved
+    weights = tensors[f"version.{meta['version']}"]
+    for version, change, logged in read_changes(directory, p):
+        if version > meta["version"]:
+            codec = Codec.parse(logged["codec"])
+            weights = apply_change(weights, codec.decode(change, weights.numel()))
+            meta = logged
+    return weights, meta
 
 
 # -- SIGSTOP: a process frozen for 30 s, then let go ---------------------------------
