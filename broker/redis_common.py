@@ -334,6 +334,12 @@ def sleep_tail(deadline: float) -> None:
     time.sleep(min(max(0.0, deadline - time.monotonic()), _TAIL_POLL_S))
 
 
+def entries_within(max_bytes: int, entry_bytes: int, most: int) -> int:
+    """A stream's MAXLEN that holds its entries of about ``entry_bytes`` to
+    ``max_bytes``: at most ``most`` entries and at least one."""
+    return max(1, min(most, max_bytes // max(1, entry_bytes)))
+
+
 def is_transient(error: Exception) -> bool:
     return isinstance(error, _TRANSIENT_ERRORS) or (
         isinstance(error, redis.ResponseError) and str(error).startswith("MISCONF")

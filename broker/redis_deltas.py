@@ -35,6 +35,7 @@ from broker.redis_common import (
     check_entry,
     delta_stream_key,
     encode_parts_bounded,
+    entries_within,
     is_transient,
     parse_id,
     to_str,
@@ -74,6 +75,7 @@ class DeltaQueue:
         max_message_bytes: int,
         max_unacked: int,
         delta_stream_maxlen: int,
+        delta_stream_max_bytes: int,
         stats: TransportStats,
     ) -> None:
         self._link = link
@@ -83,6 +85,8 @@ class DeltaQueue:
         self._max_message_bytes = max_message_bytes
         self._max_unacked = max_unacked
         self._maxlen = delta_stream_maxlen
+        # Each of our num_fragments streams holds its share of the bytes.
+        self._stream_max_bytes = delta_stream_max_bytes // num_fragments
         self._stats = stats
         self._bounded_xadd = link.client.register_script(BOUNDED_XADD)
         self._queue: deque[_QueuedDelta] = deque()
@@ -117,11 +121,13 @@ class DeltaQueue:
         """XADD queued deltas in order until the queue is empty or redis fails."""
         while self._queue and not self._link.backing_off():
             item = self._queue[0]
+            size = sum(len(part) for part in item.parts)
+            maxlen = entries_within(self._stream_max_bytes, size, self._maxlen)
             try:
                 lost = int(
                     self._bounded_xadd(
                         keys=[item.stream, item.trimmed_key],
-                        args=[self._maxlen, GROUP, *self._entry(item.parts)],
+                        args=[maxlen, GROUP, *self._entry(item.parts)],
                     )
                 )
             except Exception as e:
@@ -135,14 +141,15 @@ class DeltaQueue:
             if lost:
                 self.trimmed_unread += lost
                 log.error(
-                    "learner %s: %s is at its bound of %d entries with the syncer behind: "
-                    "dropped %d unread deltas (raise delta_stream_maxlen or restart the syncer)",
+                    "learner %s: %s is at its bound of %d entries (delta_stream_maxlen, "
+                    "delta_stream_max_bytes) with the syncer behind: dropped %d unread "
+                    "deltas (raise the bounds or restart the syncer)",
                     self._learner_id,
                     item.stream,
-                    self._maxlen,
+                    maxlen,
                     lost,
                 )
-            self._stats.bytes_sent += sum(len(part) for part in item.parts)
+            self._stats.bytes_sent += size
             self._stats.messages_sent += 1
             if item.failed_attempts:
                 self._stats.resent += 1

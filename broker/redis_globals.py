@@ -31,6 +31,7 @@ from broker.redis_common import (
     RedisLink,
     check_frame,
     encode_bounded,
+    entries_within,
     globals_stream_key,
     is_transient,
     model_key,
@@ -66,6 +67,7 @@ class GlobalsPublisher:
         run_id: str,
         consumer: str,
         globals_maxlen: int,
+        globals_max_bytes: int,
         max_message_bytes: int,
         stats: TransportStats,
         signer: GlobalSigner | None = None,
@@ -80,6 +82,7 @@ class GlobalsPublisher:
         self._signer = signer
         self._verifier = verifier
         self._globals_maxlen = globals_maxlen
+        self._globals_max_bytes = globals_max_bytes
         self._max_message_bytes = max_message_bytes
         self._stats = stats
         # (to the stream, to the snapshot key, the version), by fragment
@@ -137,7 +140,7 @@ class GlobalsPublisher:
             pipe.xadd(
                 globals_stream_key(self._run_id),
                 {FIELD: frame},
-                maxlen=self._globals_maxlen,
+                maxlen=entries_within(self._globals_max_bytes, len(frame), self._globals_maxlen),
                 approximate=False,
             )
         pipe.execute()

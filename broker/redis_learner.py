@@ -87,6 +87,7 @@ class RedisLearnerTransport(LearnerTransport):
         max_message_bytes: int = 256 * 2**20,
         max_unacked: int = 64,
         delta_stream_maxlen: int = 10_000,
+        delta_stream_max_bytes: int = 2**30,
         socket_timeout_s: float = 5.0,
         keys: RunKeys | None = None,
         identity: Identity | None = None,
@@ -98,6 +99,8 @@ class RedisLearnerTransport(LearnerTransport):
             raise ConfigError(f"max_unacked must be >= 1, got {max_unacked}")
         if delta_stream_maxlen < 1:
             raise ConfigError(f"delta_stream_maxlen must be >= 1, got {delta_stream_maxlen}")
+        if delta_stream_max_bytes < 1:
+            raise ConfigError(f"delta_stream_max_bytes must be >= 1, got {delta_stream_max_bytes}")
         if max_message_bytes < 1024:
             raise ConfigError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
         if socket_timeout_s <= 0:
@@ -138,6 +141,7 @@ class RedisLearnerTransport(LearnerTransport):
             max_message_bytes,
             max_unacked,
             delta_stream_maxlen,
+            delta_stream_max_bytes,
             self.stats,
         )
         verifier = GlobalVerifier(keys) if keys is not None else None

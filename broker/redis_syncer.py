@@ -137,6 +137,7 @@ class RedisSyncerTransport(SyncerTransport):
         max_message_bytes: int = 256 * 2**20,
         claim_idle_s: float = 30.0,
         globals_maxlen: int = 1000,
+        globals_max_bytes: int = 2**30,
         block_ms: int = 200,
         socket_timeout_s: float = 5.0,
         num_fragments: int | None = None,
@@ -150,6 +151,8 @@ class RedisSyncerTransport(SyncerTransport):
             raise ConfigError(f"claim_idle_s must be > 0, got {claim_idle_s}")
         if globals_maxlen < 1:
             raise ConfigError(f"globals_maxlen must be >= 1, got {globals_maxlen}")
+        if globals_max_bytes < 1:
+            raise ConfigError(f"globals_max_bytes must be >= 1, got {globals_max_bytes}")
         if block_ms < 1:
             raise ConfigError(f"block_ms must be >= 1 (0 would block forever), got {block_ms}")
         if max_message_bytes < 1024:
@@ -203,7 +206,8 @@ class RedisSyncerTransport(SyncerTransport):
         self._learners = RosterReader(client, run_id, self._admission)
         self._roster = HeartbeatRoster(client, run_id, max_message_bytes, self.stats)
         self._publisher = GlobalsPublisher(
-            self._link, run_id, consumer, globals_maxlen, max_message_bytes, self.stats,
+            self._link, run_id, consumer, globals_maxlen, globals_max_bytes, max_message_bytes,
+            self.stats,
             GlobalSigner(keys) if keys else None, GlobalVerifier(keys) if keys else None,
         )  # fmt: skip
         try:

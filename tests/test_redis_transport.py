@@ -902,3 +902,36 @@ def test_a_delta_entry_is_a_whole_frame_or_exactly_its_three_parts() -> None:
     assert check(dict(zip(PART_FIELDS, (start, payload[1:], crc), strict=True))) is None
     assert check(dict(zip(PART_FIELDS, (start, payload, crc), strict=True)), max_bytes=64) is None
     assert stats.rejected == {"bad_entry": 2, "bad_split": 1, "too_large": 1}
+
+
+@pytest.mark.timeout(60)
+def test_streams_hold_at_most_their_bytes(redis_server: RedisServer) -> None:
+    """A learner's delta streams together hold at most ``delta_stream_max_bytes``
+    (each stream its share), the globals stream ``globals_max_bytes``: with no
+    syncer reading, the oldest unread deltas go, each one counted."""
+    client = redis.Redis.from_url(redis_server.url)
+    entry = sum(len(part) for part in encode_parts(make_delta("learner-0", 1, 0)))
+    learner = RedisLearnerTransport(
+        redis_server.url, RUN, "learner-0", 0, num_fragments=2,
+        delta_stream_max_bytes=2 * 5 * entry + 1,  # 5 entries in each of 2 streams
+    )  # fmt: skip
+    syncer = RedisSyncerTransport(
+        redis_server.url,
+        RUN,
+        "syncer-0",
+        [0, 1],
+        globals_max_bytes=3 * len(encode(make_global(0, 1))),
+    )
+    try:
+        assert syncer.receive(0.1) == []  # its group exists; it reads nothing more
+        send_all(learner, [make_delta("learner-0", seq, 0) for seq in range(1, 21)])
+        assert client.xlen(delta_stream_key(RUN, 0, "learner-0")) == 5  # 5 entries' bytes
+        assert learner.trimmed_unread == 15
+        for version in range(1, 11):
+            syncer.publish(make_global(version % 2, version))
+        syncer.receive(0.1)  # writes what is queued
+        assert client.xlen(globals_stream_key(RUN)) == 3
+    finally:
+        learner.close()
+        syncer.close()
+        client.close()
