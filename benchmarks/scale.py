@@ -30,8 +30,8 @@ Reported per run (``scale-<mode>.json``):
 - ``syncer_bytes_per_param``: each shard's peak resident memory, less that of
   an idle interpreter with the syncer's imports, over the parameters of the
   fragments it owns (the largest over shards);
-- ``checkpoint_mb_per_s``: bytes the shards wrote to disk (``/proc/PID/io``,
-  checkpoints nearly all of it) per second of the run, in MB;
+- ``checkpoint_mb_per_s``: bytes the shards wrote to their checkpoints and
+  logs (their summaries' ``checkpoint_bytes``) per second of the run, in MB;
 - ``redis_peak_bytes`` and ``redis_aof_mb_per_s``: the server's peak memory
   and the bytes its process wrote per second (the AOF), Redis runs only;
 - per learner its CPU seconds per second and peak memory;
@@ -381,7 +381,6 @@ def _drive(
     redis_pid = int(_redis_info(redis_server, "server")["process_id"]) if redis_server else None
     sampler = Sampler([s.pid for s in syncers] + ([redis_pid] if redis_pid else []))
     sampler.start()
-    written_before = {s.pid: _written_bytes(s.pid) for s in syncers}
     redis_written_before = _written_bytes(redis_pid) if redis_pid else 0
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -409,7 +408,6 @@ def _drive(
     for proc in learners:
         proc.join()
     seconds = time.monotonic() - started
-    written = sum(_written_bytes(s.pid) - written_before[s.pid] for s in syncers)
     redis_written = _written_bytes(redis_pid) - redis_written_before if redis_pid else 0
     redis_peak = int(_redis_info(redis_server, "memory")["used_memory_peak"]) if redis_pid else None
     _stop_all(syncers)
@@ -418,7 +416,6 @@ def _drive(
     return {
         "rows": rows,
         "seconds": seconds,
-        "written": written,
         "redis_written": redis_written if redis_pid else None,
         "redis_peak": redis_peak,
         "syncer_peaks": [sampler.peak[s.pid] for s in syncers],
@@ -465,7 +462,7 @@ def _report(
         "syncer_bytes_per_param": max(
             (peak - idle) / n for peak, n in zip(raw["syncer_peaks"], per_shard_params, strict=True)
         ),
-        "checkpoint_mb_per_s": raw["written"] / seconds / 1e6,
+        "checkpoint_mb_per_s": sum(s["checkpoint_bytes"] for s in summaries) / seconds / 1e6,
         "redis_peak_bytes": raw["redis_peak"],
         "redis_aof_mb_per_s": (
             None if raw["redis_written"] is None else raw["redis_written"] / seconds / 1e6
