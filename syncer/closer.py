@@ -128,15 +128,14 @@ class RoundCloser:
         or every ``full_every`` rounds (and for a version published whole) its
         full state. Returns the bytes written."""
         state = self.states[p]
-        tensors, meta = state.state()
         logged = self._logged.get(p, 0)
         if state.publication.is_change and logged + 1 < self.full_every:
             written = append_change(
-                self.checkpoint_dir, p, state.version, state.publication.payload, meta
+                self.checkpoint_dir, p, state.version, state.publication.payload, state.meta()
             )
             self._logged[p] = logged + 1
         else:
-            written = save_fragment(self.checkpoint_dir, p, tensors, meta)
+            written = save_fragment(self.checkpoint_dir, p, *state.state())
             self._logged[p] = 0
         self.metrics.checkpoint_bytes += written
         return written

@@ -23,7 +23,7 @@ import torch
 from broker.codecs import Codec, apply_change
 from broker.errors import ConfigError, TrustError
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
-from broker.wire import Delta, weights_checksum
+from broker.wire import Delta
 from syncer import kernels
 from syncer.admission import (
     ACCEPTED,
@@ -308,12 +308,17 @@ class FragmentState:
 
     # -- checkpoint state ------------------------------------------------
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The full state: tensors and :meth:`meta`."""
         tensors = self.versions.tensors()
         if self.master is not self.weights:  # fp32 globals are the master itself
             tensors["master"] = self.master
         if self.momentum is not None:
             tensors["momentum"] = self.momentum
-        meta = {
+        return tensors, self.meta()
+
+    def meta(self) -> dict[str, Any]:
+        """The small state (what a logged round holds beside its change)."""
+        return {
             "fragment": self.fragment,
             "epoch": self.epoch,
             "version": self.version,
@@ -322,7 +327,6 @@ class FragmentState:
             "magnitudes": self.versions.magnitudes(),
             **self.admission.state(),
         }
-        return tensors, meta
 
     def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Restore :meth:`state`. The current version then goes out as weights
@@ -357,24 +361,29 @@ class FragmentState:
         self.epoch = int(meta.get("epoch", self.epoch))
         self.admission.load(meta)
 
-    def replay(self, version: int, change: bytes, meta: dict[str, Any]) -> None:
-        """A round logged after the loaded state (:mod:`syncer.checkpoint`): its
-        change rebuilds the version exactly as learners built it, and the
-        small state (de-duplication, token accounting, quarantine windows) is
-        the round's. The master becomes that version, losing its lead (the
-        rounding error not yet published, which the log does not hold), and
-        the momentum stays the loaded one."""
-        if version != self.version + 1 or meta.get("epoch", self.epoch) != self.epoch:
-            raise ConfigError(
-                f"fragment {self.fragment}: a logged round of version {version} does not "
-                f"follow version {self.version}"
-            )
-        codec = Codec.parse(meta["codec"])
-        rebuilt = apply_change(self.weights, codec.decode(change, self.numel))
-        publication = Publication(change, codec, True, weights_checksum(rebuilt))
-        published_s = float(meta.get("published_at", {}).get(str(version), 0.0))
-        self.versions.push(rebuilt, publication, published_s)
+    def replay(self, records: list[tuple[int, bytes, dict[str, Any]]]) -> None:
+        """The rounds logged after the loaded state (:mod:`syncer.checkpoint`'s
+        records, in order; those not newer than it are from before it and
+        skipped): each change rebuilds the version exactly as learners built
+        it, and the small state (de-duplication, token accounting, quarantine
+        windows) is the last round's. The master becomes the last version,
+        losing its lead (the rounding error not yet published, which the log
+        does not hold), and the momentum stays the loaded one."""
+        newer = [r for r in records if r[0] > self.version]
+        for version, change, meta in newer:
+            if version != self.version + 1 or meta.get("epoch", self.epoch) != self.epoch:
+                raise ConfigError(
+                    f"fragment {self.fragment}: a logged round of version {version} does "
+                    f"not follow version {self.version}"
+                )
+            codec = Codec.parse(meta["codec"])
+            rebuilt = apply_change(self.weights, codec.decode(change, self.numel))
+            # Its checksum is not needed: only the last version goes out, whole.
+            published_s = float(meta.get("published_at", {}).get(str(version), 0.0))
+            self.versions.push(rebuilt, Publication(change, codec, True, 0), published_s)
+        if not newer:
+            return
         self.versions.restarted(self.codec)
-        self.outer_state = OuterState(rebuilt, self.momentum)
+        self.outer_state = OuterState(self.weights, self.momentum)
         self.merge.reset()
-        self.admission.load(meta)
+        self.admission.load(newer[-1][2])

@@ -117,9 +117,7 @@ class Syncer:
                 # The rounds logged after the full state, in order (older ones:
                 # a crash between the full state's rename and the log's removal).
                 records = read_changes(self.checkpoint_dir, p, cut=True)
-                for version, change, meta in records:
-                    if version > state.version:
-                        state.replay(version, change, meta)
+                state.replay(records)
                 logged[p] = len(records)
                 resumed.append(f"{p}@v{state.version}")
             else:

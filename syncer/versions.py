@@ -199,9 +199,10 @@ class Versions:
         """The largest magnitude of a kept version, or a bound on it."""
         self.check(version)
         if version not in self._magnitudes:
-            if version == self.version or version in self._weights:
-                weights = self.current if version == self.version else self._weights[version]
-                self._magnitudes[version] = max_abs(weights)
+            if version == self.version:
+                self._magnitudes[version] = max_abs(self.current)
+            elif version in self._weights:
+                self._magnitudes[version] = max_abs(self._weights[version])
             else:  # unknown only after a checkpoint that did not say
                 self._magnitudes[version] = self.magnitude(self.version) + self.shift(version)[1]
         return self._magnitudes[version]
@@ -232,19 +233,27 @@ class Versions:
         else:
             self._weights[self.version] = self.current
             self._changes.clear()  # changes lead to the current version only
-        while len(self._weights) + len(self._changes) > self.depth - 1:
-            (self._weights or self._changes).popitem(last=False)  # the oldest
+        self._trim()
         self.version += 1
         self.current = weights
         self._views = []
         self.publication = self._viewed(publication)
         self.published_at[self.version] = wall_s
-        kept = set(self.kept)
-        self.published_at = {v: t for v, t in self.published_at.items() if v in kept}
-        self._magnitudes = {v: m for v, m in self._magnitudes.items() if v in kept}
+        self._forget_unkept()
         if magnitude is not None:
             self._magnitudes[self.version] = magnitude
         self._shifts = {}
+
+    def _trim(self) -> None:
+        """Drop the oldest older versions past the S - 1 kept."""
+        while len(self._weights) + len(self._changes) > self.depth - 1:
+            (self._weights or self._changes).popitem(last=False)  # weights are older
+
+    def _forget_unkept(self) -> None:
+        """Publication times and magnitudes of versions no longer kept go."""
+        kept = set(self.kept)
+        self.published_at = {v: t for v, t in self.published_at.items() if v in kept}
+        self._magnitudes = {v: m for v, m in self._magnitudes.items() if v in kept}
 
     def restarted(self, codec: Codec) -> None:
         """After a restart: the current version goes out whole (learners that hold
@@ -255,9 +264,7 @@ class Versions:
         if self._changes:
             self._weights.clear()  # older than the changes' chain: it no longer reaches them
         self._views, self._shifts = [], {}
-        kept = set(self.kept)
-        self._magnitudes = {v: m for v, m in self._magnitudes.items() if v in kept}
-        self.published_at = {v: t for v, t in self.published_at.items() if v in kept}
+        self._forget_unkept()
         self.publication = self._viewed(as_weights(self.current))
 
     # -- checkpoint state ------------------------------------------------
@@ -303,8 +310,7 @@ class Versions:
             payload = tensors[f"change.{v}"].numpy().tobytes()
             self._changes[v - 1] = Publication(payload, codec, True, 0)
         self._changes = OrderedDict(reversed(self._changes.items()))
-        while len(self._weights) + len(self._changes) > self.depth - 1:
-            (self._weights or self._changes).popitem(last=False)
+        self._trim()
         self._magnitudes = dict(magnitudes)
         self.published_at = {v: published_at.get(v, 0.0) for v in self.kept}
         self.restarted(codec)
