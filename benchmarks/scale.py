@@ -13,11 +13,11 @@ Gaussian gradients (:func:`synthetic_delta`), made once per fragment before
 the run and sent as they are every time: they compress to within 10% of a
 trained model's delta (``tests/test_scale_bench.py`` checks it).
 
-The syncers are the real service (``python -m syncer``), ``shards`` of them,
-each owning the fragments ``p mod shards``, over ZeroMQ (each shard binds its
-own port; learners list them all) or over one Redis server (TLS and the
-run's users, AOF ``appendfsync always``, as in the compose cluster), with
-the run's keys. Over Redis, one syncer serves every fragment.
+The syncers are the real service (``python -m syncer``), ``shards`` of them
+(``--syncer-shards``), each owning the fragments ``p mod shards``, over
+ZeroMQ (each shard binds its own port; learners list them all) or over one
+Redis server (TLS and the run's users, AOF ``appendfsync always``, as in the
+compose cluster), with the run's keys.
 
 Reported per run (``scale-<mode>.json``):
 - ``round_latency_p99_s``: the 99th percentile, over every round, of the time
@@ -76,7 +76,7 @@ from broker.cli_config import dataclass_to_args
 from broker.codecs import Codec
 from broker.connect import connect_learner
 from broker.errors import Backpressure
-from broker.fragments import FragmentPlan, ParamSpec
+from broker.fragments import FragmentPlan, ParamSpec, owned_fragments, owner_shard
 from broker.initial_model import write_initial_model
 from broker.keys import Identity, make_keys
 from broker.settings import RunSettings
@@ -129,8 +129,8 @@ MODES: dict[str, list[Load]] = {
 
 
 def owned_by(load: Load, shard: int) -> list[int]:
-    """The fragments shard ``shard`` owns: those p with p mod shards == shard."""
-    return [p for p in range(load.fragments) if p % load.shards == shard]
+    """The fragments shard ``shard`` owns (:func:`broker.fragments.owned_fragments`)."""
+    return owned_fragments(shard, load.shards, load.fragments)
 
 
 def plan_of(load: Load) -> FragmentPlan:
@@ -218,8 +218,8 @@ def synthetic_learner(spec: dict[str, Any], results: Any) -> None:
     # The epoch of each shard's lineage: one fragment's snapshot per shard (a
     # learner would download them all; this one holds no weights).
     first = transport.snapshot(list(range(min(shards, plan.num_fragments))), 60.0)
-    epoch_of_shard = {p % shards: g.epoch for p, g in first.items()}
-    stamp = {p: (epoch_of_shard[p % shards], 0) for p in range(plan.num_fragments)}
+    epoch_of_shard = {owner_shard(p, shards): g.epoch for p, g in first.items()}
+    stamp = {p: (epoch_of_shard[owner_shard(p, shards)], 0) for p in range(plan.num_fragments)}
     for g in first.values():
         stamp[g.fragment] = (g.epoch, g.version)
         transport.accepted(g)
@@ -282,16 +282,15 @@ def synthetic_learner(spec: dict[str, Any], results: Any) -> None:
 def _start_syncer(
     load: Load, run: RunSettings, shard: int, folder: Path, log_file: Any
 ) -> subprocess.Popen[bytes]:
-    owned = ",".join(str(p) for p in owned_by(load, shard))
     served = replace(run, url=_zmq_url(run.url, shard)) if load.transport == "zmq" else run
     cmd = [sys.executable, "-m", "syncer", *dataclass_to_args(served)]
     cmd += [
         f"--syncer-id=syncer-{shard}",
-        f"--checkpoint-dir={folder / f'checkpoint-{shard}'}",
+        f"--syncer-shards={load.shards}",
+        f"--syncer-shard={shard}",
+        f"--checkpoint-dir={folder / 'checkpoint'}",
         f"--metrics-file={folder / f'syncer-{shard}.jsonl'}",
     ]
-    if load.shards > 1:
-        cmd.append(f"--owned-fragments={owned}")
     if load.pin_syncer:
         cmd = ["taskset", "-c", str(shard % (os.cpu_count() or 1)), *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file)
@@ -326,8 +325,6 @@ def measure(load: Load, workdir: Path) -> dict[str, Any]:
     for p in range(load.fragments):
         payload = synthetic_delta(plan.fragment_numel(p), base.delta_codec, seed=1000 + p)
         (folder / f"delta-{p}.bin").write_bytes(payload)
-    if load.transport == "redis" and load.shards > 1:
-        raise SystemExit("Redis runs take one syncer: sharding over Redis is not built yet")
     with contextlib.ExitStack() as cleanup:
         redis_server = None
         if load.transport == "redis":

@@ -16,7 +16,7 @@ import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis.exceptions
@@ -25,6 +25,9 @@ import zmq
 from broker.errors import ConfigError, TransportError
 from broker.keys import Identity, RunKeys
 from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, SyncerTransport
+
+if TYPE_CHECKING:
+    from broker.redis_shards import ShardLease
 
 SCHEMES = ("zmq", "redis", "rediss", "unix")
 _REDIS_PY_OPTIONS_WE_SET = ("socket_timeout", "socket_connect_timeout")
@@ -215,3 +218,28 @@ def connect_syncer(
             lambda: cls(parsed.endpoints[0], run_id, syncer_id, fragments, **options),
         )
     return transport
+
+
+def lease_shard(
+    url: str, *, run_id: str, syncer_shards: int, holder: str, ttl_s: float, keys: RunKeys | None
+) -> ShardLease:
+    """A lease on a free syncer shard index, taken from Redis (waiting as a
+    standby while every index is held): see :mod:`broker.redis_shards`.
+    ZeroMQ has no place to hold one, so each syncer names its shard there."""
+    parsed = parse_url(url)
+    if parsed.backend == "zmq":
+        raise ConfigError(
+            "syncer_shard=auto needs Redis, which holds the shard leases: over ZeroMQ give "
+            "each syncer its own --syncer-shard and endpoint (learners list the endpoints "
+            "in shard order)"
+        )
+    from broker.redis_access import SYNCER_USER
+    from broker.redis_common import connect
+    from broker.redis_shards import ShardLease
+
+    user = (
+        None if keys is None or keys.redis_password is None else (SYNCER_USER, keys.redis_password)
+    )
+    timeout_s = float(parsed.options.get("socket_timeout_s", 5.0))
+    client = _built(url, "syncer", lambda: connect(parsed.endpoints[0], timeout_s, keys, user))
+    return ShardLease(client, run_id, syncer_shards, holder, ttl_s)

@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -108,24 +108,29 @@ def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 class EventLog:
-    """One JSON object per line, each with a wall-clock time and fixed fields."""
+    """One JSON object per line, each with a wall-clock time and fixed fields.
+
+    Each line is one ``write`` to a file opened for appending, so processes
+    sharing a file (the shards of a syncer service) never cut into each
+    other's lines, however long."""
 
     def __init__(self, path: str | None, **fixed: Any) -> None:
         self.fixed = fixed
-        self._file: TextIO | None = None
+        self._fd: int | None = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, kind: str, **fields: Any) -> None:
         self.write_at(time.time(), kind, **fields)
 
     def write_at(self, at: float, kind: str, **fields: Any) -> None:
         """An event that happened at wall-clock time ``at``, written now."""
-        if self._file is not None:
-            self._file.write(json.dumps({"t": at, "event": kind, **self.fixed, **fields}) + "\n")
+        if self._fd is not None:
+            line = json.dumps({"t": at, "event": kind, **self.fixed, **fields}) + "\n"
+            os.write(self._fd, line.encode())
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

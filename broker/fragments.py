@@ -69,6 +69,18 @@ def param_specs(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
     ]
 
 
+def owner_shard(fragment: int, syncer_shards: int) -> int:
+    """The syncer shard that serves ``fragment`` when ``syncer_shards`` syncers
+    share a run: fragments go round robin, so shards stay within one fragment
+    of each other in count (and, the plan's fragments being near equal, in size)."""
+    return fragment % syncer_shards
+
+
+def owned_fragments(syncer_shard: int, syncer_shards: int, num_fragments: int) -> list[int]:
+    """The fragments syncer shard ``syncer_shard`` serves (:func:`owner_shard`)."""
+    return [p for p in range(num_fragments) if owner_shard(p, syncer_shards) == syncer_shard]
+
+
 def assign_fragments(sizes: Sequence[int], num_fragments: int) -> list[int]:
     """Greedy longest-processing-time bin packing.
 

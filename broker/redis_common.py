@@ -24,6 +24,8 @@ Keys of one run (``{run}`` is the run id, ``{l}`` a learner id, ``{p}`` a fragme
     ddiloco:{run}:globals         stream   syncers XADD every new global (exact MAXLEN)
     ddiloco:{run}:model:{p}       string   the latest global of fragment p, for joiners
     ddiloco:{run}:weightless:{p}  hash     its weights checksum and weightless frame
+    ddiloco:{run}:shard:{s}       string   the holder of syncer shard s's lease
+                                           (:mod:`broker.redis_shards`)
 
 A learner writes only keys named after itself; with the run's keys each
 enrolled key is a Redis ACL user that may write only those
@@ -305,6 +307,10 @@ def globals_stream_key(run_id: str) -> str:
 
 def model_key(run_id: str, fragment: int) -> str:
     return f"ddiloco:{run_id}:model:{fragment}"
+
+
+def shard_key(run_id: str, shard: int) -> str:
+    return f"ddiloco:{run_id}:shard:{shard}"
 
 
 def weightless_key(run_id: str, fragment: int) -> str:

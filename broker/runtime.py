@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import re
+import socket
+
+_MAX_HOLDER_LEN = 64
 
 
 def freeze_startup_heap() -> None:
@@ -16,3 +20,10 @@ def freeze_startup_heap() -> None:
     is done (garbage made until then is collected first, not kept)."""
     gc.collect()
     gc.freeze()
+
+
+def default_holder() -> str:
+    """This host's name, as a lease holder (a learner's slot, a syncer's shard):
+    a container's id under docker, which survives a restart of the container."""
+    name = re.sub(r"[^A-Za-z0-9._:-]", "-", socket.gethostname())[:_MAX_HOLDER_LEN]
+    return name or "unnamed-host"

@@ -2,8 +2,9 @@
 
 Each syncer binds a ROUTER (``tcp://host:port``) for deltas, heartbeats and
 snapshot requests, and a PUB on ``port + 1`` for globals. A learner connects
-one DEALER and one SUB to every syncer; fragment ``p`` belongs to syncer
-``p % len(endpoints)``.
+one DEALER and one SUB to every syncer; fragment ``p`` belongs to the syncer
+``owner_shard(p, len(endpoints))`` (:func:`broker.fragments.owner_shard`): the
+endpoints are listed in shard order.
 
 Deltas and globals travel as three-part messages, the parts of
 :func:`broker.wire.encode_parts` (prefix and header, payload, checksum), so a
@@ -41,6 +42,7 @@ import zmq
 
 from broker import wire
 from broker.config_checks import check_positive, require
+from broker.fragments import owner_shard
 from broker.keys import (
     CURVE_PUBLIC,
     CURVE_SECRET,
@@ -283,7 +285,7 @@ class DeltaSender:
             raise Backpressure(f"{len(self._unacked)} deltas await acknowledgement")
         pending = _Pending(
             wire.encode_parts(delta, self._max_message_bytes),
-            delta.fragment % len(self._dealers),
+            owner_shard(delta.fragment, len(self._dealers)),
         )
         self._unacked[delta.seq] = pending
         self._try_send(pending, time.monotonic())
@@ -347,7 +349,7 @@ class SnapshotRequests:
         sent = True
         by_owner: dict[int, list[int]] = defaultdict(list)
         for p in fragments:
-            by_owner[p % len(self._dealers)].append(p)
+            by_owner[owner_shard(p, len(self._dealers))].append(p)
         for owner, owned in by_owner.items():
             held = [self.held_crcs[p] for p in owned if p in self.held_crcs]
             req = SnapshotRequest(

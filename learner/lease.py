@@ -19,8 +19,6 @@ so the learner's comm thread never waits on it. Should the slot ever be lost
 from __future__ import annotations
 
 import logging
-import re
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -35,18 +33,11 @@ from broker.transport import learner_id_of as learner_id_of
 log = logging.getLogger(__name__)
 
 AUTO_ID = "auto"  # the learner id that asks for a slot
-_MAX_HOLDER_LEN = 64
 
 
 def shard_of(slot: int, num_shards: int) -> int:
     """Slots beyond the number of shards share shards, round robin."""
     return slot % num_shards
-
-
-def default_holder() -> str:
-    """This host's name, as a lease holder: a container's id under docker."""
-    name = re.sub(r"[^A-Za-z0-9._:-]", "-", socket.gethostname())[:_MAX_HOLDER_LEN]
-    return name or "unnamed-host"
 
 
 class SlotLease:

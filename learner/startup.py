@@ -19,8 +19,9 @@ from types import FrameType
 
 from broker.errors import ConfigError
 from broker.keys import Identity, identity_path
+from broker.runtime import default_holder
 from learner.config import EvaluatorConfig, LearnerConfig
-from learner.lease import AUTO_ID, SlotLease, default_holder, learner_id_of, shard_of
+from learner.lease import AUTO_ID, SlotLease, learner_id_of, shard_of
 
 # Set in a warm spare's environment: wait for a line of environment on stdin,
 # then run as the learner it names (compose/processes.py starts spares).

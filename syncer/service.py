@@ -28,12 +28,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from broker.connect import connect_syncer
-from broker.errors import ConfigError
-from broker.initial_model import read_initial_model
-from broker.runtime import freeze_startup_heap
+from broker.connect import connect_syncer, lease_shard
+from broker.errors import ConfigError, TransportError
+from broker.fragments import owned_fragments
+from broker.initial_model import InitialModel, read_initial_model
+from broker.runtime import default_holder, freeze_startup_heap
+from broker.settings import GONE_AFTER_HEARTBEATS
 from broker.transport import Inbound, SyncerTransport
 from syncer.buffers import PackedRows
 from syncer.checkpoint import (
@@ -44,12 +46,15 @@ from syncer.checkpoint import (
     save_manifest,
 )
 from syncer.closer import RoundCloser
-from syncer.config import SyncerConfig
+from syncer.config import AUTO_SHARD, SyncerConfig
 from syncer.fragment_state import FragmentState
 from syncer.intake import Intake
 from syncer.membership import Membership
 from syncer.metrics import SyncerMetrics
 from syncer.quorum import Roster
+
+if TYPE_CHECKING:
+    from broker.redis_shards import ShardLease
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +88,7 @@ class Syncer:
         self.cfg = cfg
         self.clock = clock  # times rounds
         self.wall_clock = wall_clock  # dates versions: step bounds hold across restarts
-        run, outer = cfg.run, cfg.outer
+        run = cfg.run
         initial = read_initial_model(Path(run.initial_model))
         self.plan = initial.plan
         if (self.plan.num_fragments, self.plan.sync_every) != (run.fragments, run.sync_every):
@@ -92,8 +97,35 @@ class Syncer:
                 f"sync_every={self.plan.sync_every}, not fragments={run.fragments}, "
                 f"sync_every={run.sync_every}: run `ddiloco init` with the same settings"
             )
-        self.owned = list(cfg.owned_fragments or range(run.fragments))
+        self.shard_lease: ShardLease | None = None
+        if cfg.syncer_shard == AUTO_SHARD:
+            self.shard_lease = lease_shard(
+                run.url,
+                run_id=run.run_id,
+                syncer_shards=cfg.syncer_shards,
+                # In a container: its id and pid 1, the same after a restart.
+                holder=f"{default_holder()}:{os.getpid()}",
+                ttl_s=GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s,
+                keys=run.run_keys("syncer"),
+            )
+            self.shard = self.shard_lease.take()
+        else:
+            self.shard = int(cfg.syncer_shard)
+        try:
+            self._start(initial, transport)
+        except BaseException:
+            if self.shard_lease is not None:
+                self.shard_lease.close()
+            raise
+
+    def _start(self, initial: InitialModel, transport: SyncerTransport | None) -> None:
+        """Everything but the shard: the fragments' states from the checkpoint,
+        the transport and the stages."""
+        cfg, run, outer = self.cfg, self.cfg.run, self.cfg.outer
+        self.owned = owned_fragments(self.shard, cfg.syncer_shards, run.fragments)
         self.checkpoint_dir = Path(cfg.checkpoint_dir)
+        if cfg.syncer_shards > 1:  # each shard its own folder, on a volume they share
+            self.checkpoint_dir /= f"shard-{self.shard}"
         self._lock = _lock_folder(self.checkpoint_dir)
         self._check_manifest()
         self.states: dict[int, FragmentState] = {}
@@ -178,11 +210,19 @@ class Syncer:
                 f"{manifest.get('plan_hash')} != {self.plan.plan_hash}); point "
                 "checkpoint_dir elsewhere or delete it"
             )
+        shards = manifest.get("syncer_shards", 1) if manifest is not None else None
+        if shards is not None and shards != self.cfg.syncer_shards:
+            raise ConfigError(
+                f"{self.checkpoint_dir} holds the checkpoint of a run with syncer_shards="
+                f"{shards}, not {self.cfg.syncer_shards}: fragments cannot move between "
+                "shards in a run; start it with the same syncer_shards"
+            )
         save_manifest(
             self.checkpoint_dir,
             {
                 "run_id": self.cfg.run.run_id,
                 "plan_hash": self.plan.plan_hash,
+                "syncer_shards": self.cfg.syncer_shards,
                 "fragments": self.plan.num_fragments,
                 "sync_every": self.plan.sync_every,
                 "initial_model": self.cfg.run.initial_model,
@@ -231,6 +271,10 @@ class Syncer:
         self.shutdown()
 
     def step(self) -> None:
+        if self.shard_lease is not None and self.shard_lease.lost.is_set():
+            # Another syncer may serve these fragments now: stop before publishing
+            # again, as a crash would (unacked deltas go to the shard's next holder).
+            raise TransportError(f"syncer shard {self.shard}'s lease was lost: stopping")
         now = self.clock()
         self.closer.republish_idle(now, self.cfg.run.heartbeat_timeout_s)
         step_s = self.roster.median_step_s()
@@ -269,11 +313,14 @@ class Syncer:
         self.transport.close()
         self.metrics.close()
         self._lock.close()  # releases the checkpoint folder
+        if self.shard_lease is not None:
+            self.shard_lease.close()  # frees the shard for a standby
 
     def summary(self) -> dict[str, Any]:
         """Totals of the run (:meth:`SyncerMetrics.summary`), the roster, K and
         the fragments' versions."""
         return self.metrics.summary(self.transport.stats) | {
+            "syncer_shard": self.shard,
             "roster": sorted(self.roster.members),
             "quorum": self.membership.quorum(),
             "versions": {str(p): s.version for p, s in self.states.items()},
@@ -287,7 +334,12 @@ def run_syncer(cfg: SyncerConfig) -> None:
     # SIGUSR1: the learners are done; merge what is pending now and keep serving.
     signal.signal(signal.SIGUSR1, lambda *_: syncer.drain_requested.set())
     log.info(
-        "syncer %s owns fragments %s (plan %s)", cfg.syncer_id, syncer.owned, syncer.plan.plan_hash
+        "syncer %s, shard %d of %d, owns fragments %s (plan %s)",
+        cfg.syncer_id,
+        syncer.shard,
+        cfg.syncer_shards,
+        syncer.owned,
+        syncer.plan.plan_hash,
     )
     print("ready", flush=True)
     syncer.run()

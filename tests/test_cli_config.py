@@ -16,6 +16,7 @@ from broker.cli_config import (
 )
 from broker.codecs import Codec
 from broker.settings import RunSettings
+from compose.local import LocalConfig
 from learner.config import EvaluatorConfig, InitConfig, LearnerConfig
 from learner.model import ModelConfig
 from syncer.config import SyncerConfig
@@ -134,8 +135,10 @@ def test_syncer_flags() -> None:
     cfg = parse(
         SyncerConfig,
         [
-            "--owned-fragments",
-            "0,2",
+            "--syncer-shards",
+            "2",
+            "--syncer-shard",
+            "auto",
             "--learners",
             "5",
             "--quorum",
@@ -156,7 +159,8 @@ def test_syncer_flags() -> None:
     )
     assert cfg == make(
         SyncerConfig,
-        owned_fragments=(0, 2),
+        syncer_shards=2,
+        syncer_shard="auto",
         learners=5,
         quorum=3,
         grace_gamma=0.25,
@@ -216,17 +220,16 @@ def test_run_flags_mean_the_same_in_every_service(cls: type) -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("none", None),
-        ("None", None),
-        ("", None),
-        ("1", (1,)),
+        ("", ()),
         ("0,3", (0, 3)),
         ("0,3,", (0, 3)),
-        ("3,1,2", (3, 1, 2)),
+        ("3,0,2", (3, 0, 2)),
     ],
 )
-def test_owned_fragments(text: str, expected: tuple[int, ...] | None) -> None:
-    assert parse(SyncerConfig, ["--owned-fragments", text]).owned_fragments == expected
+def test_tuple_flag(text: str, expected: tuple[int, ...]) -> None:
+    learners = str(max(2, len(expected)))  # a step per learner
+    argv = ["--learners", learners, "--join-at-step", text]
+    assert parse(LocalConfig, argv).join_at_step == expected
 
 
 @pytest.mark.parametrize(
@@ -296,14 +299,14 @@ def test_env_vars_are_defaults_and_flags_override(monkeypatch: pytest.MonkeyPatc
 
 def test_env_vars_for_bool_tuple_and_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DDILOCO_ERROR_FEEDBACK", "false")
-    monkeypatch.setenv("DDILOCO_OWNED_FRAGMENTS", "1,3")
+    monkeypatch.setenv("DDILOCO_JOIN_AT_STEP", "0,3")
     monkeypatch.setenv("DDILOCO_METRICS_FILE", "none")
     monkeypatch.setenv("DDILOCO_LR", "1e-5")
     learner = parse(LearnerConfig, [])
     assert learner == make(LearnerConfig, error_feedback=False, metrics_file=None, lr=1e-5)
     syncer = parse(SyncerConfig, [])
-    assert syncer.owned_fragments == (1, 3) and syncer.metrics_file is None
-    assert parse(SyncerConfig, ["--owned-fragments", "none"]).owned_fragments is None
+    assert syncer.metrics_file is None
+    assert parse(LocalConfig, ["--learners", "2"]).join_at_step == (0, 3)
 
 
 @pytest.mark.parametrize(
@@ -316,7 +319,8 @@ def test_env_vars_for_bool_tuple_and_none(monkeypatch: pytest.MonkeyPatch) -> No
         (SyncerConfig, "DDILOCO_GLOBAL_CODEC", "int8@7"),
         (LearnerConfig, "DDILOCO_BLOCKING", "maybe"),
         (LearnerConfig, "DDILOCO_LR", "fast"),
-        (SyncerConfig, "DDILOCO_OWNED_FRAGMENTS", "0,a"),
+        (LocalConfig, "DDILOCO_JOIN_AT_STEP", "0,a"),
+        (SyncerConfig, "DDILOCO_SYNCER_SHARDS", "two"),
     ],
 )
 def test_unparsable_env_var_names_the_variable(
@@ -349,7 +353,7 @@ def test_invalid_env_value_fails_like_a_flag(
     ("cls", "argv", "flat"),
     [
         (SyncerConfig, ["--quorum", "9"], {"quorum": 9}),
-        (SyncerConfig, ["--owned-fragments", "0,9"], {"owned_fragments": (0, 9)}),
+        (SyncerConfig, ["--syncer-shards", "9"], {"syncer_shards": 9}),
         (SyncerConfig, ["--aggregation", "median"], {"aggregation": "median"}),
         (LearnerConfig, ["--sync-every", "10"], {"sync_every": 10}),
         (LearnerConfig, ["--url", "tcp://x:1"], {"url": "tcp://x:1"}),
@@ -378,7 +382,7 @@ def test_invalid_value_fails_with_the_dataclass_message(
     [
         (SyncerConfig, ["--quorum", "two"]),
         (SyncerConfig, ["--grace-gamma", "x"]),
-        (SyncerConfig, ["--owned-fragments", "0,a"]),
+        (LocalConfig, ["--join-at-step", "0,a"]),
         (SyncerConfig, ["--quorum", "2.5"]),
         (SyncerConfig, ["--no-such-flag", "1"]),
         (SyncerConfig, ["--model-d-model", "64"]),  # the syncer has no model
@@ -473,12 +477,13 @@ NON_DEFAULT: list[Any] = [
         staleness=1,
         quarantine_factor=1e5,
         syncer_id="syncer-1",
-        owned_fragments=(2, 0),
+        syncer_shards=2,
+        syncer_shard="1",
         checkpoint_dir="ckpt/1",
         metrics_port=9200,
         metrics_file=None,
     ),
-    make(SyncerConfig, url="redis://:pw@redis:6379/2?claim_idle_s=7", owned_fragments=(1,)),
+    make(SyncerConfig, url="redis://:pw@redis:6379/2?claim_idle_s=7", syncer_shard="auto"),
     make(
         EvaluatorConfig,
         **NON_DEFAULT_RUN,

@@ -1,6 +1,7 @@
 """The container cluster against a real Docker engine: one lifecycle with docker
-compose over Redis (up, scale, a learner and the syncer crashed by ddiloco chaos,
-a throttled learner, the end), and the same file on a single-node swarm.
+compose over Redis (up with two syncer shards, scale, a learner and one shard
+crashed by ddiloco chaos, a throttled learner, the end), and the same file on a
+single-node swarm.
 
 Every wait polls a condition with a timeout. Each test removes its containers,
 volumes and networks; the images are built once and removed at the end.
@@ -33,7 +34,7 @@ from tests.docker_env import (
     read_jsonl,
     run,
 )
-from tests.servers import free_port, wait_until
+from tests.servers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
@@ -68,7 +69,9 @@ def images() -> Iterator[ClusterImages]:
 class Cluster:
     """One compose project of the test: its settings, commands and run folder."""
 
-    def __init__(self, images: ClusterImages, run_dir: Path, replicas: int) -> None:
+    def __init__(
+        self, images: ClusterImages, run_dir: Path, replicas: int, syncer_shards: int = 1
+    ) -> None:
         self.project = f"ddtest{uuid.uuid4().hex[:8]}"
         self.run_dir = run_dir
         self.keys = make_keys(run_dir.parent / "keys")
@@ -81,8 +84,8 @@ class Cluster:
             "DDILOCO_RUN_DIR": str(run_dir),
             "DDILOCO_KEYS_DIR": str(self.keys),
             "DDILOCO_RUN_ID": self.project,
-            "DDILOCO_SYNCER_METRICS_PORT": str(free_port()),
             "DDILOCO_LEARNER_REPLICAS": str(replicas),
+            "DDILOCO_SYNCER_SHARDS": str(syncer_shards),
         }
 
     def compose(self, *args: str, timeout: float = 900) -> str:
@@ -102,6 +105,17 @@ class Cluster:
 
     def rounds(self) -> list[dict[str, Any]]:
         return [e for e in read_jsonl(self.run_dir / "syncer.jsonl") if e["event"] == "round"]
+
+
+def container_log(container: str) -> str:
+    return run(["sh", "-c", f"docker logs {container} 2>&1"])
+
+
+def shard_in_log(container: str) -> int:
+    """The shard a syncer container said it serves, the last time it started."""
+    said = [line for line in container_log(container).splitlines() if ", shard " in line]
+    assert said, f"{container} named no shard"
+    return int(said[-1].split(", shard ")[1].split()[0])
 
 
 def redis_cli(container: str, auth: tuple[str, str], *args: str) -> Any:
@@ -129,9 +143,11 @@ def probe_transfer(container: str, auth: tuple[str, str]) -> dict[str, float]:
 @pytest.mark.timeout(3600)
 def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
     started = time.monotonic()
-    cluster = Cluster(images, tmp_path / "run", replicas=3)
+    # Two syncer shards: fragment 0 on one, fragment 1 on the other.
+    cluster = Cluster(images, tmp_path / "run", replicas=3, syncer_shards=2)
     cluster.run_dir.mkdir()
-    redis_c, syncer_c = f"{cluster.project}_redis_1", f"{cluster.project}_syncer_1"
+    redis_c = f"{cluster.project}_redis_1"
+    syncers = [f"{cluster.project}_syncer_{i}" for i in (1, 2)]
     try:
         # -- up with 3 learners over Redis: 3 slots, 3 shards, all training -------
         cluster.compose("up", "-d")
@@ -141,12 +157,21 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
             interval_s=2,
             what="3 learners leased and training",
         )
+        # Each syncer container leased its own shard, which serves its fragment.
+        wait_until(
+            lambda: {r["fragment"] for r in cluster.rounds()} == {0, 1},
+            300,
+            interval_s=1,
+            what="rounds of both fragments",
+        )
+        shard_of = {c: shard_in_log(c) for c in syncers}
+        assert sorted(shard_of.values()) == [0, 1], shard_of
         TIMINGS["cluster_up_s"] = round(time.monotonic() - started, 1)
         # Redis speaks TLS only: a client in the clear gets no answer at all,
         # not even a refusal, and the services said nothing of the clear.
         clear = run(["docker", "exec", redis_c, "sh", "-c", "redis-cli ping 2>&1 || true"])
         assert "PONG" not in clear and "NOAUTH" not in clear, clear
-        assert "in the clear" not in run(["sh", "-c", f"docker logs {syncer_c} 2>&1"])
+        assert not any("in the clear" in container_log(c) for c in syncers)
 
         # -- scaled to 4: a fourth slot and shard, without editing anything ---------
         cluster.compose("up", "-d", "--scale", "learner=4", "--no-recreate")
@@ -213,7 +238,8 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
         others = cluster.stepping(kill["t"]) - {victim}
         assert len(others) == 3  # the others trained on through the crash
 
-        # -- the syncer crashed and back from its checkpoint ------------------------
+        # -- one syncer shard crashed: the other's rounds go on; it comes back -------
+        # -- from its checkpoint, with its own shard -----------------------------------
         before = {r["fragment"]: r["version"] for r in cluster.rounds()}
         ddiloco(
             "chaos",
@@ -234,18 +260,31 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
         )
         syncer_kill = [e for e in read_jsonl(chaos_log) if e["event"] == "kill"][-1]
         assert syncer_kill["role"] == "syncer"
+        killed = syncer_kill["container"]
+        dead_fragment = shard_of[killed]  # shard s serves fragment s of 2
         wait_until(
-            lambda: any(r["t"] > syncer_kill["t"] for r in cluster.rounds()),
+            lambda: any(
+                r["t"] > syncer_kill["t"] and r["fragment"] == dead_fragment
+                for r in cluster.rounds()
+            ),
             300,
             interval_s=1,
-            what="rounds after the syncer's restart",
+            what="rounds of the killed shard after its restart",
         )
-        assert "resumed fragments" in run(["sh", "-c", f"docker logs {syncer_c} 2>&1"])
+        assert "resumed fragments" in container_log(killed)
+        assert shard_in_log(killed) == dead_fragment  # its own shard back, not the other's
         after = [r for r in cluster.rounds() if r["t"] > syncer_kill["t"]]
         for r in after:  # versions go on from the checkpoint, never back to the start
             assert r["version"] > before.get(r["fragment"], 0)
-        # The outage: from the kill to the first round of the restarted syncer.
-        outage = (syncer_kill["t"], after[0]["t"])
+        # The outage: from the kill to the first round of the restarted shard. The
+        # other shard's rounds went on through it.
+        outage = (
+            syncer_kill["t"],
+            next(r["t"] for r in after if r["fragment"] == dead_fragment),
+        )
+        TIMINGS["shard_outage_s"] = round(outage[1] - outage[0], 1)
+        during = [r for r in after if r["t"] < outage[1]]
+        assert during and {r["fragment"] for r in during} == {1 - dead_fragment}, during
         trained_in_outage = {
             e["learner"]
             for e in learner_events(cluster.run_dir)
@@ -310,7 +349,7 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
         TIMINGS["lifecycle_s"] = round(time.monotonic() - started, 1)
 
         # Nothing applied twice: no (learner, incarnation, seq) in two rounds, across
-        # both syncer processes.
+        # every syncer process.
         keys = [tuple(k) for r in cluster.rounds() for k in r["keys"]]
         assert keys and len(keys) == len(set(keys))
         summary = json.loads((cluster.run_dir / "summary.json").read_text())
@@ -359,7 +398,6 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
         # Deployed as swarm secrets (compose/compose.yaml's top-level secrets).
         "DDILOCO_KEYS_DIR": str(make_keys(tmp_path / "keys")),
         "DDILOCO_RUN_ID": stack,
-        "DDILOCO_SYNCER_METRICS_PORT": str(free_port()),
         "DDILOCO_LEARNER_REPLICAS": "2",
     }
     started = time.monotonic()

@@ -187,7 +187,8 @@ def test_valid_non_defaults() -> None:
         staleness=1,
         quarantine_factor=1.5,
         syncer_id="syncer-1",
-        owned_fragments=(0, 3),
+        syncer_shards=2,
+        syncer_shard="1",
         checkpoint_dir="ckpt",
         metrics_port=9200,
         metrics_file="s.jsonl",
@@ -324,9 +325,11 @@ BAD: list[tuple[str, Any]] = [
     ("quarantine_factor", NAN),
     ("syncer_id", "no spaces"),
     ("syncer_id", ""),
-    ("owned_fragments", ()),
-    ("owned_fragments", (4,)),  # fragments=4
-    ("owned_fragments", (-1,)),
+    ("syncer_shards", 0),
+    ("syncer_shards", 5),  # fragments=4
+    ("syncer_shard", "1"),  # syncer_shards=1
+    ("syncer_shard", "-1"),
+    ("syncer_shard", "first"),
 ]
 # One case per (defining dataclass, bad value): a name that two services define
 # each for itself is checked in both.
@@ -374,10 +377,12 @@ def test_cross_field_checks() -> None:
     with pytest.raises(ValueError, match=r"shard=3 .*num_shards=3"):
         make(LearnerConfig, shard=3, num_shards=3)
     make(LearnerConfig, shard=2, num_shards=3)
-    # A syncer's fragments are checked against the run's.
-    make(SyncerConfig, fragments=2, sync_every=6, owned_fragments=(1,))
-    with pytest.raises(ValueError, match=r"owned_fragments=\(2,\).*\[0, 2\)"):
-        make(SyncerConfig, fragments=2, sync_every=6, owned_fragments=(2,))
+    # A syncer's shards are checked against the run's fragments.
+    make(SyncerConfig, fragments=2, sync_every=6, syncer_shards=2, syncer_shard="auto")
+    with pytest.raises(ValueError, match=r"syncer_shards=3: at most fragments=2"):
+        make(SyncerConfig, fragments=2, sync_every=6, syncer_shards=3)
+    with pytest.raises(ValueError, match=r"syncer_shard='2': use auto or an index in \[0, 2\)"):
+        make(SyncerConfig, fragments=2, sync_every=6, syncer_shards=2, syncer_shard="2")
 
 
 def test_model_head_divisibility() -> None:

@@ -1,0 +1,117 @@
+"""Syncer shards: the rule that gives each shard its fragments, and shard
+leases (``--syncer-shard auto``) against a real redis-server, with the run's
+users (the syncers' ACL user holds the leases)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from broker.connect import lease_shard
+from broker.errors import ConfigError, TransportError
+from broker.fragments import owned_fragments, owner_shard
+from broker.keys import RunKeys, make_keys
+from broker.redis_common import shard_key
+from broker.redis_shards import ShardLease
+from tests.servers import RedisServer, wait_until
+
+RUN = "shards-test"
+TTL_S = 2.0
+
+
+def test_fragments_go_to_shards_round_robin_and_each_to_one() -> None:
+    assert [owner_shard(p, 3) for p in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    shards = [owned_fragments(s, 3, 7) for s in range(3)]
+    assert shards == [[0, 3, 6], [1, 4], [2, 5]]
+    assert sorted(p for owned in shards for p in owned) == list(range(7))
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> RunKeys:
+    return RunKeys.load(make_keys(tmp_path / "keys"), "syncer")
+
+
+@pytest.fixture
+def server(tmp_path: Path, keys: RunKeys) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis", keys=tmp_path / "keys", tls=True)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.integration
+class TestShardLease:
+    @pytest.fixture(autouse=True)
+    def _leases(self, server: RedisServer, keys: RunKeys) -> Iterator[None]:
+        self.server, self.keys = server, keys
+        self.made: list[ShardLease] = []
+        yield
+        for lease in self.made:
+            lease.close()
+
+    def lease(self, holder: str, shards: int = 2) -> ShardLease:
+        lease = lease_shard(
+            self.server.url, run_id=RUN, syncer_shards=shards, holder=holder, ttl_s=TTL_S,
+            keys=self.keys,
+        )  # fmt: skip
+        self.made.append(lease)
+        return lease
+
+    def test_holders_take_the_lowest_free_shards(self) -> None:
+        assert self.lease("a").take(5) == 0
+        assert self.lease("b").take(5) == 1
+        with pytest.raises(TransportError, match="no free shard of 2"):
+            self.lease("c").take(1)
+
+    def test_a_restarted_holder_gets_its_own_shard_back_at_once(self) -> None:
+        self.lease("a").take(5)
+        self.lease("b").take(5)
+        # "b" dies without closing (its lease still runs) and starts again.
+        self.made[1]._stop.set()
+        assert self.lease("b").take(1) == 1
+
+    def test_a_standby_takes_a_shard_when_its_holder_leaves_or_dies(self) -> None:
+        first, second = self.lease("a"), self.lease("b")
+        first.take(5)
+        second.take(5)
+        standby = self.lease("c")
+        taken: list[int] = []
+        waiting = threading.Thread(target=lambda: taken.append(standby.take(30)))
+        waiting.start()
+        time.sleep(0.5)
+        assert not taken  # every shard held: it waits
+        first.close()  # a clean stop frees shard 0 at once
+        waiting.join(10)
+        assert taken == [0]
+        # A holder that dies (no more renewals) frees its shard once its lease ran out.
+        second._stop.set()
+        died = time.monotonic()
+        assert self.lease("d").take(10) == 1
+        assert time.monotonic() - died >= TTL_S * 0.5
+
+    def test_leases_are_renewed_past_their_time_to_live(self) -> None:
+        lease = self.lease("a")
+        lease.take(5)
+        time.sleep(TTL_S * 2)
+        assert not lease.lost.is_set()
+        with pytest.raises(TransportError):
+            self.lease("b", shards=1).take(0.5)
+
+    def test_a_lease_taken_by_another_is_reported_lost(self) -> None:
+        lease = self.lease("a")
+        lease.take(5)
+        self.server.client().set(shard_key(RUN, 0), "intruder")
+        wait_until(lease.lost.is_set, TTL_S * 2, what="the lost lease noticed")
+        lease.close()  # a lost lease is not released: it is not ours
+        assert self.server.client().get(shard_key(RUN, 0)) == b"intruder"
+
+
+def test_zmq_has_no_shard_leases() -> None:
+    with pytest.raises(ConfigError, match="over ZeroMQ give each syncer its own --syncer-shard"):
+        lease_shard(
+            "zmq://127.0.0.1:5555", run_id=RUN, syncer_shards=2, holder="a", ttl_s=1, keys=None
+        )
