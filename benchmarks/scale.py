@@ -43,8 +43,14 @@ Besides the runs, ``shard_memory``: one shard's memory per parameter, with
 no transport (:func:`shard_memory`): 40M parameters in the smoke, 250M in
 ``--quick``, 1B in the full mode.
 
-Modes: ``--smoke`` (CI, under a minute): 10M parameters, P = 4, H = 4, M = 4,
-steps of 0.25 s, two ZeroMQ shards. ``--quick``: 250M parameters, P = 24,
+With ``kill_shard_at_s``, shard 0 is SIGKILLed that many seconds in and
+started again at once, from its checkpoint; ``shard_kill`` gives its outage
+(from the kill to its first round after it) and each shard's rounds closed
+within the outage: a shard that dies stops only its own fragments' rounds.
+
+Modes: ``--smoke`` (CI, about a minute): 10M parameters, P = 4, H = 4, M = 4,
+steps of 0.25 s, two ZeroMQ shards, then two Redis shards with shard 0
+killed 5 s in. ``--quick``: 250M parameters, P = 24,
 H = 24, M = 16, steps of 1 s, over Redis with one shard. Full: that load over
 Redis and over ZeroMQ with one and two shards.
 """
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import multiprocessing
@@ -66,6 +73,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -105,12 +113,14 @@ class Load:
     shards: int  # syncer processes, shard s owning the fragments p with p mod shards == s
     steps: int  # inner steps per learner
     pin_syncer: bool = False  # each shard on one core (taskset), for the per-core rate
+    kill_shard_at_s: float = 0.0  # SIGKILL shard 0 this many s in, restarted at once; 0: never
 
     @property
     def name(self) -> str:
         size = f"{self.params / 1e6:g}M"
         pinned = "-pinned" if self.pin_syncer else ""
-        return f"{size}-{self.transport}-{self.shards}shard{pinned}"
+        killed = "-kill" if self.kill_shard_at_s else ""
+        return f"{size}-{self.transport}-{self.shards}shard{pinned}{killed}"
 
     @property
     def rounds(self) -> int:
@@ -122,7 +132,11 @@ class Load:
 LEARNER_PARAMS = {"smoke": 10_000_000, "quick": 100_000_000, "full": 100_000_000}
 _QUICK = Load(250_000_000, 24, 24, 16, 1.0, "redis", 1, steps=24 * 6)
 MODES: dict[str, list[Load]] = {
-    "smoke": [Load(10_000_000, 4, 4, 4, 0.25, "zmq", 2, steps=4 * 14)],
+    "smoke": [
+        Load(10_000_000, 4, 4, 4, 0.25, "zmq", 2, steps=4 * 14),
+        # Redis shards, one of them killed: the other's rounds go on.
+        Load(10_000_000, 4, 4, 4, 0.25, "redis", 2, steps=4 * 14, kill_shard_at_s=5.0),
+    ],
     "quick": [_QUICK],
     "full": [replace(_QUICK, transport=t, shards=n) for t in ("redis", "zmq") for n in (1, 2)],
 }
@@ -344,7 +358,8 @@ def measure(load: Load, workdir: Path) -> dict[str, Any]:
         cleanup.callback(_stop_all, syncers)
         for shard in range(load.shards):
             syncers.append(_start_syncer(load, run, shard, folder, log_file))
-        row = _drive(load, run, plan, folder, syncers, redis_server)
+        restart = functools.partial(_start_syncer, load, run, 0, folder, log_file)
+        row = _drive(load, run, plan, folder, syncers, redis_server, restart)
     return _report(load, run, plan, folder, row)
 
 
@@ -373,10 +388,13 @@ def _drive(
     folder: Path,
     syncers: list[subprocess.Popen[bytes]],
     redis_server: Any,
+    restart_shard_0: Callable[[], subprocess.Popen[bytes]],
 ) -> dict[str, Any]:
-    """Run the synthetic learners against the started syncers; the run's raw figures."""
+    """Run the synthetic learners against the started syncers (shard 0 killed
+    and restarted at ``load.kill_shard_at_s``); the run's raw figures."""
     redis_pid = int(_redis_info(redis_server, "server")["process_id"]) if redis_server else None
-    sampler = Sampler([s.pid for s in syncers] + ([redis_pid] if redis_pid else []))
+    syncer_pids = [s.pid for s in syncers]  # a restarted shard's new process is not sampled
+    sampler = Sampler(syncer_pids + ([redis_pid] if redis_pid else []))
     sampler.start()
     redis_written_before = _written_bytes(redis_pid) if redis_pid else 0
     ctx = multiprocessing.get_context("spawn")
@@ -401,7 +419,15 @@ def _drive(
     started = time.monotonic()
     for proc in learners:
         proc.start()
+    kill: dict[str, float] = {}
+    if load.kill_shard_at_s:
+        killer = threading.Thread(
+            target=_kill_and_restart, args=(load.kill_shard_at_s, syncers, restart_shard_0, kill)
+        )
+        killer.start()
     rows = [results.get(timeout=load.steps * load.step_s + 600) for _ in learners]
+    if load.kill_shard_at_s:
+        killer.join()
     for proc in learners:
         proc.join()
     seconds = time.monotonic() - started
@@ -415,8 +441,25 @@ def _drive(
         "seconds": seconds,
         "redis_written": redis_written if redis_pid else None,
         "redis_peak": redis_peak,
-        "syncer_peaks": [sampler.peak[s.pid] for s in syncers],
+        "syncer_peaks": [sampler.peak[pid] for pid in syncer_pids],
+        "kill": kill,
     }
+
+
+def _kill_and_restart(
+    at_s: float,
+    syncers: list[subprocess.Popen[bytes]],
+    restart: Callable[[], subprocess.Popen[bytes]],
+    times: dict[str, float],
+) -> None:
+    """SIGKILL shard 0 ``at_s`` seconds from now and start it again at once
+    (from its checkpoint); the wall-clock times of both go in ``times``."""
+    time.sleep(at_s)
+    syncers[0].kill()
+    syncers[0].wait()
+    times["killed_at"] = time.time()
+    syncers[0] = restart()
+    times["restarted_at"] = time.time()
 
 
 def _report(
@@ -426,11 +469,13 @@ def _report(
     rows, seconds = raw["rows"], raw["seconds"]
     idle = idle_syncer_rss()
     latencies, summaries = [], []
+    round_times: list[list[float]] = [[] for _ in range(load.shards)]
     for shard in range(load.shards):
         for line in (folder / f"syncer-{shard}.jsonl").read_text().splitlines():
             e = json.loads(line)
             if e["event"] == "round" and e.get("quorum_to_publish_s") is not None:
                 latencies.append(e["quorum_to_publish_s"])
+                round_times[shard].append(e["t"])
             elif e["event"] == "summary":
                 summaries.append(e)
     per_shard_params = [
@@ -466,7 +511,24 @@ def _report(
         ),
         "delta_bytes_per_param": (folder / "delta-0.bin").stat().st_size / plan.fragment_numel(0),
         "seconds": seconds,
+        "shard_kill": _outage(raw["kill"], round_times) if raw["kill"] else None,
         "learners": rows,
+    }
+
+
+def _outage(kill: dict[str, float], round_times: list[list[float]]) -> dict[str, Any]:
+    """Shard 0's outage, from its kill to its first round after it, and each
+    shard's rounds closed within it."""
+    killed_at = kill["killed_at"]
+    back = min((t for t in round_times[0] if t > killed_at), default=None)
+    end = back if back is not None else math.inf
+    return {
+        "killed_at": killed_at,
+        "restart_ready_s": kill["restarted_at"] - killed_at,
+        "outage_s": None if back is None else back - killed_at,
+        "rounds_in_outage_by_shard": [
+            sum(1 for t in times if killed_at < t < end) for times in round_times
+        ],
     }
 
 
@@ -654,7 +716,9 @@ def _percentile(values: list[float], q: float) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     which = ap.add_mutually_exclusive_group()
-    which.add_argument("--smoke", action="store_true", help="CI: 10M parameters, two ZeroMQ shards")
+    which.add_argument(
+        "--smoke", action="store_true", help="CI: 10M parameters, two shards each way"
+    )
     which.add_argument("--quick", action="store_true", help="250M parameters over Redis, one shard")
     ap.add_argument("--out", default="benchmarks/results/scale")
     args = ap.parse_args(argv)

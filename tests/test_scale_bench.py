@@ -4,6 +4,7 @@ smoke run end to end (two real ZeroMQ syncer shards, four synthetic learners).""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,20 +52,38 @@ def test_percentile_is_the_nearest_rank_at_or_above() -> None:
     assert scale._percentile(values, 1.0) == 100.0
 
 
-@pytest.mark.timeout(300)
-def test_smoke_two_zeromq_shards_sustain_the_load_and_lose_nothing(tmp_path: Path) -> None:
-    assert scale.main(["--smoke", "--out", str(tmp_path)]) == 0
-    (run,) = json.loads((tmp_path / "scale-smoke.json").read_text())["runs"]
-    load = scale.MODES["smoke"][0]
-    assert run["load"]["shards"] == 2 and run["load"]["transport"] == "zmq"
+def check_run(run: dict, load: scale.Load) -> None:
+    """What every run must show: nothing lost, every delta accounted for."""
+    assert run["load"]["shards"] == load.shards and run["load"]["transport"] == load.transport
     assert run["lost_deltas"] == 0
     assert all(r["delivered"] for r in run["learners"]) and len(run["learners"]) == load.learners
     assert run["deltas_applied"] > 0 and run["deltas_sent"] >= run["deltas_applied"]
-    assert run["rounds"] >= scale.MIN_ROUNDS
     assert run["round_latency_p99_s"] is not None and run["round_latency_p99_s"] > 0
-    assert len(run["syncer_peak_rss_bytes"]) == 2 and run["syncer_bytes_per_param"] > 0
+    assert len(run["syncer_peak_rss_bytes"]) == load.shards and run["syncer_bytes_per_param"] > 0
     assert run["checkpoint_mb_per_s"] > 0
     assert 0 < run["delta_bytes_per_param"] < 1
+
+
+def check_kill(run: dict) -> None:
+    """A killed shard stops only its own rounds: the other's go on through its
+    outage, and it comes back from its checkpoint."""
+    kill = run["shard_kill"]
+    assert kill["outage_s"] is not None  # shard 0 closed rounds after its restart
+    assert kill["rounds_in_outage_by_shard"][1] > 0, kill
+    refused = run["rejected_by_reason"]
+    assert all(set(r) <= {"duplicate"} for r in refused), refused  # resent, never lost
+
+
+@pytest.mark.timeout(400)
+def test_smoke_shards_each_way_lose_nothing_and_outlive_a_killed_shard(tmp_path: Path) -> None:
+    assert scale.main(["--smoke", "--out", str(tmp_path)]) == 0
+    zmq, redis = json.loads((tmp_path / "scale-smoke.json").read_text())["runs"]
+    zmq_load, redis_load = scale.MODES["smoke"]
+    check_run(zmq, zmq_load)
+    assert zmq["rounds"] >= scale.MIN_ROUNDS and zmq["shard_kill"] is None
+    check_run(redis, redis_load)
+    assert redis["redis_peak_bytes"] > 0 and redis["redis_aof_mb_per_s"] > 0
+    check_kill(redis)
     memory = json.loads((tmp_path / "scale-smoke.json").read_text())["shard_memory"]
     assert memory["refused_deltas"] == 0
     # 12 bytes (master, momentum, current version), a few packed rows and
@@ -73,3 +92,11 @@ def test_smoke_two_zeromq_shards_sustain_the_load_and_lose_nothing(tmp_path: Pat
     assert 12 <= memory["held_bytes_per_param"] < 17
     overhead = json.loads((tmp_path / "scale-smoke.json").read_text())["learner_overhead"]
     assert overhead["params"] >= 9_000_000 and overhead["overhead_bytes_per_param"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_zeromq_shard_stops_only_its_own_rounds(tmp_path: Path) -> None:
+    load = replace(scale.MODES["smoke"][0], kill_shard_at_s=5.0)
+    run = scale.measure(load, tmp_path)
+    check_run(run, load)
+    check_kill(run)
