@@ -31,6 +31,7 @@ import redis
 
 from broker.keys import RunKeys
 from broker.redis_common import (
+    changes_key,
     connect,
     delta_stream_key,
     globals_stream_key,
@@ -54,7 +55,7 @@ _MEMBER_DOMAIN = b"ddiloco redis member v1\0"
 # (the bounded XADD script and what it calls, its heartbeat).
 _READER_COMMANDS = (
     "+ping", "+auth", "+hello", "+client|setname",
-    "+get", "+mget", "+xread", "+evalsha_ro", "+xrange", "+xrevrange", "+hmget",
+    "+get", "+mget", "+xread", "+evalsha_ro", "+xrange", "+xrevrange", "+hmget", "+lrange",
 )  # fmt: skip
 _LEARNER_COMMANDS = (
     "+evalsha", "+xadd", "+xlen", "+xtrim", "+xinfo|groups", "+xpending", "+incrby", "+set",
@@ -102,6 +103,7 @@ def member_rules(
     rules += [f"%R~{globals_stream_key(run_id)}", f"%R~{grant_key(run_id, key)}"]
     rules += [f"%R~{model_key(run_id, p)}" for p in range(num_fragments)]
     rules += [f"%R~{weightless_key(run_id, p)}" for p in range(num_fragments)]
+    rules += [f"%R~{changes_key(run_id, p)}" for p in range(num_fragments)]
     if role != "learner":
         return rules
     rules += _LEARNER_COMMANDS

@@ -22,8 +22,13 @@ Keys of one run (``{run}`` is the run id, ``{l}`` a learner id, ``{p}`` a fragme
     ddiloco:{run}:roster          hash     admitted learner id -> its key: the
                                            learners whose streams syncers read
     ddiloco:{run}:globals         stream   syncers XADD every new global (exact MAXLEN)
-    ddiloco:{run}:model:{p}       string   the latest global of fragment p, for joiners
-    ddiloco:{run}:weightless:{p}  hash     its weights checksum and weightless frame
+    ddiloco:{run}:model:{p}       string   a recent global of fragment p with its
+                                           weights, for joiners (written every
+                                           snapshot_every versions)
+    ddiloco:{run}:changes:{p}     list     the changes published since, in order:
+                                           with the model key, the latest version
+    ddiloco:{run}:weightless:{p}  hash     the latest version's weights checksum and
+                                           its frame without weights
     ddiloco:{run}:shard:{s}       string   the holder of syncer shard s's lease
                                            (:mod:`broker.redis_shards`)
 
@@ -136,22 +141,26 @@ return entries[1][1]
 """
 
 # The id of the last entry of the globals stream KEYS[1] (false: empty), and
-# the latest global of each fragment, or, for a fragment whose current weights
-# the reader holds, that global without them (SnapshotRequest.held_crcs), read
-# at once. KEYS[2..]: n model keys, then the n weightless keys; ARGV: per
-# fragment, the checksum the reader holds in decimal, or '' for none.
+# per fragment, read at once: its snapshot and the changes published since
+# ({model, {change, ...}}: together the latest version), or, when the reader
+# holds the latest version's weights, that global without them and no changes
+# (SnapshotRequest.held_crcs). KEYS[2..]: n model keys, the n weightless keys,
+# then the n changes keys; ARGV: per fragment, the checksum the reader holds
+# in decimal, or '' for none.
 SNAPSHOTS_UNLESS_HELD = """#!lua flags=no-writes
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 local out = {false}
 if #last > 0 then out[1] = last[1][1] end
-local n = (#KEYS - 1) / 2
+local n = (#KEYS - 1) / 3
 for i = 1, n do
     local answer = false
     if ARGV[i] ~= '' then
         local held = redis.call('HMGET', KEYS[1 + n + i], 'crc', 'frame')
-        if held[1] == ARGV[i] then answer = held[2] end
+        if held[1] == ARGV[i] then answer = {held[2], {}} end
     end
-    if not answer then answer = redis.call('GET', KEYS[1 + i]) end
+    if not answer then
+        answer = {redis.call('GET', KEYS[1 + i]), redis.call('LRANGE', KEYS[1 + 2 * n + i], 0, -1)}
+    end
     out[1 + i] = answer
 end
 return out
@@ -311,6 +320,10 @@ def model_key(run_id: str, fragment: int) -> str:
 
 def shard_key(run_id: str, shard: int) -> str:
     return f"ddiloco:{run_id}:shard:{shard}"
+
+
+def changes_key(run_id: str, fragment: int) -> str:
+    return f"ddiloco:{run_id}:changes:{fragment}"
 
 
 def weightless_key(run_id: str, fragment: int) -> str:

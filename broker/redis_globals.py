@@ -1,9 +1,12 @@
 """The globals of the Redis Streams transport (docs/transports.md): the globals
 stream and the snapshot keys, written by a syncer and read by learners.
 
-A syncer's :class:`GlobalsPublisher` writes each new global to its fragment's
-snapshot keys (``model``, ``weightless``) and the globals stream in one
-transaction. A learner's :class:`GlobalsReader` follows the globals stream,
+A syncer's :class:`GlobalsPublisher` writes each new global to the globals
+stream and its fragment's snapshot keys in one transaction: the ``weightless``
+hash every time, the fragment's fp32 weights (``model``) only every
+``snapshot_every`` versions, and in between the change to its ``changes``
+list, so that a round writes the compact change, not the weights, to the
+append-only file. A learner's :class:`GlobalsReader` follows the globals stream,
 reading its notices stream (:class:`NoticeReader`) in the same blocking XREAD,
 and falls back to the snapshot keys (:class:`SnapshotKeys`) when it has no base,
 sees a gap or finds the stream trimmed past its read position. Reads raise
@@ -21,6 +24,7 @@ from typing import Any, cast
 import redis
 from redis.typing import KeyT, StreamIdT
 
+from broker.codecs import apply_change
 from broker.keys import GlobalSigner, GlobalVerifier
 from broker.redis_common import (
     FIELD,
@@ -29,6 +33,7 @@ from broker.redis_common import (
     Entries,
     ReadScript,
     RedisLink,
+    changes_key,
     check_frame,
     encode_bounded,
     entries_within,
@@ -43,7 +48,7 @@ from broker.redis_common import (
     weightless_key,
 )
 from broker.transport import TransportStats, candidate_order
-from broker.wire import GlobalFragment, Refusal, weights_checksum
+from broker.wire import GlobalFragment, Refusal, WireError, weights_checksum
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +61,20 @@ _NOTHING_YET = (-1, -1)
 Versions = dict[int, tuple[int, int]]  # accepted (epoch, version) per fragment
 
 
+@dataclass
+class _Queued:
+    """A fragment's newest global not yet written, and what goes with it."""
+
+    frame: bytes  # to the stream
+    version: GlobalFragment
+    whole: GlobalFragment | None  # the version with its weights (None: ``version`` is)
+    snapshot_due: bool  # the model key must get the weights this time
+
+
 class GlobalsPublisher:
-    """Writes each new global to its snapshot keys (``model``, ``weightless``) and
-    the globals stream in one transaction; keeps the newest unpublished global of
-    each fragment while redis is away."""
+    """Writes each new global to the globals stream and its snapshot keys in one
+    transaction (see the module); keeps the newest unpublished global of each
+    fragment while redis is away."""
 
     def __init__(
         self,
@@ -72,6 +87,7 @@ class GlobalsPublisher:
         stats: TransportStats,
         signer: GlobalSigner | None = None,
         verifier: GlobalVerifier | None = None,
+        snapshot_every: int = 1,
     ) -> None:
         self._link = link
         self._run_id = run_id
@@ -85,8 +101,12 @@ class GlobalsPublisher:
         self._globals_max_bytes = globals_max_bytes
         self._max_message_bytes = max_message_bytes
         self._stats = stats
-        # (to the stream, to the snapshot key, the version), by fragment
-        self._unpublished: dict[int, tuple[bytes, bytes, GlobalFragment]] = {}
+        self._snapshot_every = snapshot_every
+        self._unpublished: dict[int, _Queued] = {}
+        # Per fragment, the (epoch, version) written last and the changes listed
+        # since its weights were. Nothing before this process wrote the weights:
+        # a restarted syncer may publish a version the list already holds.
+        self._written: dict[int, tuple[tuple[int, int], int]] = {}
 
     def existing(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
         """(epoch, version) of the snapshot key of each of ``fragments`` that has one."""
@@ -107,31 +127,58 @@ class GlobalsPublisher:
         return encode_bounded(signed, self._max_message_bytes)
 
     def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None) -> None:
-        """Queue ``fragment`` for the stream and ``snapshot`` (or it) for the key;
-        write what is queued unless redis is away."""
+        """Queue ``fragment`` for the stream and, as the snapshot, ``snapshot``
+        (the same version with its weights; None: ``fragment`` is) or, between
+        snapshots, ``fragment`` for the fragment's changes list; write what is
+        queued unless redis is away."""
         if fragment.run_id != self._run_id:
             raise ValueError(f"global of run {fragment.run_id!r} published on run {self._run_id!r}")
-        frame = self._encoded(fragment)
-        whole = frame if snapshot is None else self._encoded(snapshot)
-        self._unpublished[fragment.fragment] = (frame, whole, fragment)
-        self._link.attempt(self.publish_queued)
+        if fragment.is_change and snapshot is None:
+            raise ValueError(f"a change of fragment {fragment.fragment} published without weights")
+        self._queue(_Queued(self._encoded(fragment), fragment, snapshot, not fragment.is_change))
 
     def announce(self, fragment: GlobalFragment) -> None:
-        """As :meth:`publish`, with ``fragment`` without its weights to the stream."""
+        """As :meth:`publish`, with ``fragment`` without its weights to the stream
+        (and its weights to the model key)."""
         if fragment.run_id != self._run_id:
             raise ValueError(f"global of run {fragment.run_id!r} announced on run {self._run_id!r}")
         weightless = self._encoded(fragment.without_weights())
-        whole = self._encoded(fragment)
-        self._unpublished[fragment.fragment] = (weightless, whole, fragment)
+        self._queue(_Queued(weightless, fragment.without_weights(), fragment, True))
+
+    def _queue(self, queued: _Queued) -> None:
+        self._unpublished[queued.version.fragment] = queued
         self._link.attempt(self.publish_queued)
+
+    def _writes_weights(self, p: int, queued: _Queued) -> bool:
+        """Whether ``queued`` goes to the model key with its weights: when due, and
+        when its change would not follow the list (a change replaced in the
+        queue before Redis got it, a version never handed over)."""
+        version = queued.version
+        last, listed = self._written.get(p, ((-1, -1), self._snapshot_every))
+        return (
+            queued.snapshot_due
+            or (version.epoch, version.change_from) != last
+            or listed + 1 >= self._snapshot_every
+        )
 
     def publish_queued(self) -> None:
         """Write what is queued; raises redis's errors (and keeps it queued)."""
         if not self._unpublished:
             return
         pipe = self._link.client.pipeline(transaction=True)
-        for p, (frame, whole, version) in self._unpublished.items():
-            pipe.set(model_key(self._run_id, p), whole)
+        written: dict[int, bool] = {}  # per fragment: whether its weights went to the model key
+        sent = 0
+        for p, queued in self._unpublished.items():
+            frame, version = queued.frame, queued.version
+            written[p] = self._writes_weights(p, queued)
+            if written[p]:
+                whole = frame if queued.whole is None else self._encoded(queued.whole)
+                pipe.set(model_key(self._run_id, p), whole)
+                pipe.delete(changes_key(self._run_id, p))
+                sent += len(whole)
+            else:
+                pipe.rpush(changes_key(self._run_id, p), frame)
+                sent += len(frame)
             weightless = self._encoded(version.without_weights())
             pipe.hset(
                 weightless_key(self._run_id, p),
@@ -143,10 +190,14 @@ class GlobalsPublisher:
                 maxlen=entries_within(self._globals_max_bytes, len(frame), self._globals_maxlen),
                 approximate=False,
             )
+            sent += len(frame) + len(weightless)
         pipe.execute()
-        for frame, whole, _ in self._unpublished.values():
-            self._stats.bytes_sent += len(frame) + len(whole)  # XADD and SET
-            self._stats.messages_sent += 1
+        for p, weights in written.items():
+            version = self._unpublished[p].version
+            listed = 0 if weights else self._written[p][1] + 1
+            self._written[p] = ((version.epoch, version.version), listed)
+        self._stats.bytes_sent += sent
+        self._stats.messages_sent += len(written)
         self._unpublished.clear()
 
     def close(self) -> None:
@@ -196,7 +247,11 @@ class GlobalCheck:
 
 
 class SnapshotKeys:
-    """The latest global of each fragment, read from its snapshot keys."""
+    """The latest global of each fragment, read from its snapshot keys: the
+    weights of a recent version and the changes published since, applied here
+    (:func:`broker.codecs.apply_change`, bit for bit as a learner following
+    the stream applies them, and checked against the checksum the latest one
+    names)."""
 
     def __init__(self, client: redis.Redis, run_id: str, check: GlobalCheck) -> None:
         self._client = client
@@ -206,10 +261,7 @@ class SnapshotKeys:
 
     def latest(self, fragments: list[int]) -> dict[int, GlobalFragment]:
         """The latest global of each of ``fragments`` that has one (with weights)."""
-        if not fragments:
-            return {}
-        frames = self._client.mget([model_key(self._run_id, p) for p in fragments])
-        return self._models(fragments, frames)
+        return self.load(fragments, {})[0] if fragments else {}
 
     def load(
         self, fragments: list[int], held: Mapping[int, Any]
@@ -220,33 +272,58 @@ class SnapshotKeys:
         reply = self._snapshots_unless_held(
             keys=[globals_stream_key(self._run_id)]
             + [model_key(self._run_id, p) for p in fragments]
-            + [weightless_key(self._run_id, p) for p in fragments],
+            + [weightless_key(self._run_id, p) for p in fragments]
+            + [changes_key(self._run_id, p) for p in fragments],
             args=[str(weights_checksum(held[p])) if p in held else "" for p in fragments],
         )
-        last_id, frames = reply[0] or None, reply[1:]
-        found = self._models(fragments, frames)
-        for p, g in list(found.items()):
+        last_id, answers = reply[0] or None, reply[1:]
+        found: dict[int, GlobalFragment] = {}
+        for p, (frame, changes) in zip(fragments, answers, strict=True):
+            g = self._global(p, frame)
+            if g is None:
+                continue
             if g.is_weightless:
-                if p in held:
-                    found[p] = g.with_weights(held[p])
-                else:
-                    del found[p]
+                if p not in held:
                     self._check.stats.rejected["weightless"] += 1
+                    continue
+                g = g.with_weights(held[p])
+            elif changes:
+                g = self._brought_up_to_date(g, changes)
+            if g is not None:
+                found[p] = g
         return found, last_id
 
-    def _models(self, fragments: list[int], frames: list[Any]) -> dict[int, GlobalFragment]:
-        found: dict[int, GlobalFragment] = {}
-        for p, frame in zip(fragments, frames, strict=True):
-            if frame is None:
-                continue
-            msg = self._check(frame)
-            if msg is None:
-                continue
-            if msg.fragment != p:
-                self._check.stats.rejected["wrong_fragment"] += 1
-                continue
-            found[p] = msg
-        return found
+    def _global(self, p: int, frame: Any) -> GlobalFragment | None:
+        msg = self._check(frame) if frame is not None else None
+        if msg is not None and msg.fragment != p:
+            self._check.stats.rejected["wrong_fragment"] += 1
+            return None
+        return msg
+
+    def _brought_up_to_date(
+        self, snapshot: GlobalFragment, frames: list[Any]
+    ) -> GlobalFragment | None:
+        """``snapshot`` with the changes ``frames`` applied in order: the latest
+        version, whole; None (counted) when they do not follow from it."""
+        latest = snapshot
+        try:
+            weights = snapshot.tensor()
+            for frame in frames:
+                change = self._global(snapshot.fragment, frame)
+                if change is None:
+                    return None
+                if (change.epoch, change.change_from) != (latest.epoch, latest.version):
+                    self._check.stats.rejected["broken_changes"] += 1
+                    return None
+                weights = apply_change(weights, change.tensor())
+                latest = change
+        except WireError as e:
+            self._check.stats.rejected[e.reason] += 1
+            return None
+        if weights_checksum(weights) != latest.weights_crc:
+            self._check.stats.rejected["diverged"] += 1
+            return None
+        return latest.without_weights().with_weights(weights)
 
 
 class NoticeReader:

@@ -8,7 +8,8 @@ a dead consumer left (XAUTOCLAIM after ``claim_idle_s``), reads new ones with
 XREADGROUP, XACKs what the caller acks and trims the streams below what any
 group still needs (:mod:`broker.redis_deltas`). It reads the roster's
 heartbeat keys, each in bounded form, and publishes each new global to its
-snapshot key and the globals stream at once. The syncer that owns fragment 0
+snapshot keys and the globals stream at once (its weights every
+``snapshot_every`` versions, :mod:`broker.redis_globals`). The syncer that owns fragment 0
 also admits learners (:mod:`broker.redis_admission`).
 
 Connection errors never escape, not even from ``publish``: the newest
@@ -59,6 +60,10 @@ _UNHEARD_READ_INTERVAL_S = 0.01
 _ROSTER_READ_INTERVAL_S = 1.0
 # A heartbeat frame is a few hundred bytes: more is read of none.
 MAX_HEARTBEAT_BYTES = 4096
+# A joiner reads a fragment's weights and up to this many changes less one
+# (about 0.2 bytes per parameter each at int2): what it downloads stays near
+# the weights' 4 bytes per parameter.
+MAX_SNAPSHOT_EVERY = 64
 
 
 def warn_without_aof(client: redis.Redis, consumer: str) -> None:
@@ -138,6 +143,7 @@ class RedisSyncerTransport(SyncerTransport):
         claim_idle_s: float = 30.0,
         globals_maxlen: int = 1000,
         globals_max_bytes: int = 2**30,
+        snapshot_every: int = 8,
         block_ms: int = 200,
         socket_timeout_s: float = 5.0,
         num_fragments: int | None = None,
@@ -153,6 +159,10 @@ class RedisSyncerTransport(SyncerTransport):
             raise ConfigError(f"globals_maxlen must be >= 1, got {globals_maxlen}")
         if globals_max_bytes < 1:
             raise ConfigError(f"globals_max_bytes must be >= 1, got {globals_max_bytes}")
+        if not 1 <= snapshot_every <= MAX_SNAPSHOT_EVERY:
+            raise ConfigError(
+                f"snapshot_every must be in [1, {MAX_SNAPSHOT_EVERY}], got {snapshot_every}"
+            )
         if block_ms < 1:
             raise ConfigError(f"block_ms must be >= 1 (0 would block forever), got {block_ms}")
         if max_message_bytes < 1024:
@@ -209,6 +219,7 @@ class RedisSyncerTransport(SyncerTransport):
             self._link, run_id, consumer, globals_maxlen, globals_max_bytes, max_message_bytes,
             self.stats,
             GlobalSigner(keys) if keys else None, GlobalVerifier(keys) if keys else None,
+            snapshot_every,
         )  # fmt: skip
         try:
             self._deltas.ensure_groups()

@@ -26,16 +26,18 @@ import pytest
 import redis
 import torch
 
-from broker.codecs import Codec
+from broker.codecs import Codec, apply_change
 from broker.errors import ConfigError
 from broker.redis_common import (
     FIELD,
     GROUP,
     PART_FIELDS,
+    changes_key,
     check_entry,
     delta_stream_key,
     globals_stream_key,
     heartbeat_key,
+    model_key,
     roster_key,
 )
 from broker.redis_learner import RedisLearnerTransport
@@ -45,6 +47,7 @@ from broker.wire import (
     Delta,
     GlobalFragment,
     Heartbeat,
+    decode,
     decode_parts,
     encode,
     encode_parts,
@@ -935,3 +938,108 @@ def test_streams_hold_at_most_their_bytes(redis_server: RedisServer) -> None:
         learner.close()
         syncer.close()
         client.close()
+
+
+class ChangeChain:
+    """Versions of one fragment as a syncer publishes them: each the change from
+    the one before (int2+zstd) and, beside it, the version's fp32 weights."""
+
+    def __init__(self, p: int, n: int = 10_000) -> None:
+        self.p, self.n, self.version = p, n, 0
+        self.codec = Codec.parse("int2+zstd")
+        self.weights = torch.randn(n, generator=torch.Generator().manual_seed(p))
+        self.rng = torch.Generator().manual_seed(100 + p)
+
+    def message(self, payload: bytes, codec: Codec, change: bool) -> GlobalFragment:
+        return GlobalFragment(
+            run_id=RUN, fragment=self.p, plan_hash=PLAN_HASH, version=self.version,
+            change_from=self.version - 1 if change else -1, codec=codec, numel=self.n,
+            weights_crc=weights_checksum(self.weights), payload=payload, sent_at=time.time(),
+        )  # fmt: skip
+
+    def whole(self) -> GlobalFragment:
+        return self.message(Codec().encode(self.weights), Codec(), change=False)
+
+    def next(self) -> tuple[GlobalFragment, GlobalFragment]:
+        """The next version: (its change, its weights)."""
+        payload = self.codec.encode(torch.randn(self.n, generator=self.rng) * 1e-3)
+        self.weights = apply_change(self.weights, self.codec.decode(payload, self.n))
+        self.version += 1
+        return self.message(payload, self.codec, change=True), self.whole()
+
+
+@pytest.mark.timeout(60)
+def test_weights_are_written_every_snapshot_every_versions_and_joiners_get_the_latest(
+    redis_server: RedisServer,
+) -> None:
+    """The model key got a fragment's fp32 weights every round: 4 bytes per
+    parameter per round of Redis's append-only file. Between its writes the
+    changes go to a list, and a joiner applies them to the weights it reads."""
+    url, every = redis_server.url, 4
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], snapshot_every=every)
+    chain = ChangeChain(0)
+    syncer.publish(chain.whole())
+    follower = RedisLearnerTransport(url, RUN, "follower", 0, num_fragments=1)
+    follower.accepted(follower.snapshot([0], timeout_s=5)[0])
+    server = redis_server.client()
+    weights_written = []
+    for _ in range(10):
+        change, weights = chain.next()
+        sent_before = syncer.stats.bytes_sent
+        syncer.publish(change, snapshot=weights)
+        weights_written.append(syncer.stats.bytes_sent - sent_before > 4 * chain.n)
+        model = decode(server.get(model_key(RUN, 0)))
+        listed = server.llen(changes_key(RUN, 0))
+        assert model.version + listed == chain.version and listed < every
+        # A joiner gets the latest version, bit for bit, whatever the key holds.
+        joiner = RedisLearnerTransport(url, RUN, f"joiner-{chain.version}", 0, num_fragments=1)
+        got = joiner.snapshot([0], timeout_s=5)[0]
+        assert (got.version, got.is_change) == (chain.version, False)
+        assert torch.equal(got.tensor(), chain.weights)
+        assert joiner.stats.rejected == Counter()
+        joiner.close()
+        # A learner following the stream gets each change as it is.
+        (polled,) = poll_until(follower, 1)
+        assert (polled.version, polled.is_change) == (chain.version, True)
+        follower.accepted(polled)
+    # Versions 1..10 after the whole version 0: the weights went with 4 and 8.
+    assert weights_written == [v % every == 0 for v in range(1, 11)]
+    # A restarted syncer writes the weights first: the list may hold its version.
+    syncer.close()
+    again = RedisSyncerTransport(url, RUN, "syncer-0", [0], snapshot_every=every)
+    again.publish(chain.next()[0], snapshot=chain.whole())
+    assert server.llen(changes_key(RUN, 0)) == 0
+    assert decode(server.get(model_key(RUN, 0))).version == chain.version
+    for t in (again, follower):
+        t.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_changes_list_that_does_not_follow_its_weights_is_refused(
+    redis_server: RedisServer,
+) -> None:
+    url = redis_server.url
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], snapshot_every=8)
+    chain = ChangeChain(0)
+    syncer.publish(chain.whole())
+    for _ in range(3):
+        syncer.publish(*chain.next())
+    server = redis_server.client()
+    server.lpop(changes_key(RUN, 0))  # version 1's change lost
+    joiner = RedisLearnerTransport(url, RUN, "joiner", 0, num_fragments=1)
+    assert joiner.snapshot([0], timeout_s=1) == {}
+    assert joiner.stats.rejected == Counter({"broken_changes": 1})
+    # The next weights written repair it.
+    syncer.announce(chain.whole())
+    assert torch.equal(joiner.snapshot([0], timeout_s=5)[0].tensor(), chain.weights)
+    for t in (joiner, syncer):
+        t.close()
+
+
+def test_a_change_is_never_published_as_the_weights(redis_server: RedisServer) -> None:
+    syncer = RedisSyncerTransport(redis_server.url, RUN, "syncer-0", [0])
+    chain = ChangeChain(0)
+    syncer.publish(chain.whole())
+    with pytest.raises(ValueError, match="without weights"):
+        syncer.publish(chain.next()[0])
+    syncer.close()
