@@ -3,11 +3,13 @@
     python -m benchmarks.scale [--smoke | --quick] [--out benchmarks/results/scale]
 
 A synthetic learner is a process that does a learner's network work and
-nothing else: it enrolls with the run's keys, sends each fragment's delta
-on the schedule a learner of the given step time and H would (based on the
-newest version of the fragment it has heard of), heartbeats every step and
-receives the globals, reading their headers only (it holds no model, so it
-neither decodes nor applies them). Its deltas are real encodings, in the
+nothing else: it enrolls with the run's keys, joins as a learner that
+starts from the run's initial model does (it holds version 0 of every
+fragment, so it downloads no weights), sends each fragment's delta on the
+schedule a learner of the given step time and H would (based on the newest
+version of the fragment it has heard of), heartbeats every step and receives
+the globals, reading their headers only (it holds no model, so it neither
+decodes nor applies them). Its deltas are real encodings, in the
 run's delta codec (int2+zstd at the defaults), of the deltas Adam makes of
 Gaussian gradients (:func:`synthetic_delta`), made once per fragment before
 the run and sent as they are every time: they compress to within 10% of a
@@ -229,14 +231,17 @@ def synthetic_learner(spec: dict[str, Any], results: Any) -> None:
         num_fragments=plan.num_fragments, max_message_bytes=plan.max_message_bytes,
         keys=run.run_keys("learner"), identity=Identity.new(),
     )  # fmt: skip
-    # The epoch of each shard's lineage: one fragment's snapshot per shard (a
-    # learner would download them all; this one holds no weights).
+    # It joins as a learner that starts from the run's initial model does: it
+    # holds version 0 of every fragment (the shards just started), so it
+    # downloads no weights. The epoch of each shard's lineage comes from one
+    # fragment's snapshot per shard.
     first = transport.snapshot(list(range(min(shards, plan.num_fragments))), 60.0)
-    epoch_of_shard = {owner_shard(p, shards): g.epoch for p, g in first.items()}
-    stamp = {p: (epoch_of_shard[owner_shard(p, shards)], 0) for p in range(plan.num_fragments)}
-    for g in first.values():
-        stamp[g.fragment] = (g.epoch, g.version)
-        transport.accepted(g)
+    header_of_shard = {owner_shard(p, shards): g.without_weights() for p, g in first.items()}
+    stamp = {}
+    for p in range(plan.num_fragments):
+        held = replace(header_of_shard[owner_shard(p, shards)], fragment=p, version=0)
+        stamp[p] = (held.epoch, held.version)
+        transport.accepted(held)
     sent = backpressured = refused = seq = 0
     last_sent = [0] * plan.num_fragments
     start = time.monotonic()

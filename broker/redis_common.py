@@ -186,23 +186,27 @@ end
 return {dropped, taken}
 """
 
-# XREADGROUP GROUP ARGV[1] ARGV[2] COUNT ARGV[3] STREAMS KEYS ARGV[5..] (no
+# XREADGROUP GROUP ARGV[1] ARGV[2] COUNT ARGV[3] STREAMS KEYS ARGV[6..] (no
 # BLOCK), where every entry whose values hold more than ARGV[4] bytes in all is
 # acked and deleted here, counted, and never returned: no entry larger than the
-# bound leaves the server. Returns {dropped, {{stream, kept entries, the last id
-# read (dropped or not)}, ...}}.
+# bound leaves the server. Entries past ARGV[5] bytes in all (after the first)
+# are held back: delivered to the consumer but not returned, they are read
+# again as its pending entries, so that no reply outgrows what the socket
+# moves within its timeout. Returns {dropped, {{stream, kept entries, the last
+# id returned or dropped before any held back, whether some were held back},
+# ...}}.
 READ_BOUNDED = """
 local group, consumer, limit = ARGV[1], ARGV[2], tonumber(ARGV[4])
+local budget, total, over = tonumber(ARGV[5]), 0, false
 local args = {'XREADGROUP', 'GROUP', group, consumer, 'COUNT', ARGV[3], 'STREAMS'}
 for i = 1, #KEYS do args[#args + 1] = KEYS[i] end
-for i = 5, #ARGV do args[#args + 1] = ARGV[i] end
+for i = 6, #ARGV do args[#args + 1] = ARGV[i] end
 local reply = redis.call(unpack(args))
 local dropped, out = 0, {}
 if not reply then return {0, out} end
 for _, stream in ipairs(reply) do
-    local kept, last = {}, false
+    local kept, last, held = {}, false, 0
     for _, entry in ipairs(stream[2]) do
-        last = entry[1]
         local size = 0
         if entry[2] then
             for i = 2, #entry[2], 2 do size = size + #entry[2][i] end
@@ -211,11 +215,16 @@ for _, stream in ipairs(reply) do
             redis.call('XACK', stream[1], group, entry[1])
             redis.call('XDEL', stream[1], entry[1])
             dropped = dropped + 1
+            if held == 0 then last = entry[1] end
+        elseif held == 1 or (total > 0 and total + size > budget) then
+            held = 1
         else
+            total = total + size
             kept[#kept + 1] = entry
+            last = entry[1]
         end
     end
-    out[#out + 1] = {stream[1], kept, last}
+    out[#out + 1] = {stream[1], kept, last, held}
 end
 return {dropped, out}
 """

@@ -47,6 +47,11 @@ from broker.wire import Delta
 log = logging.getLogger(__name__)
 
 _DELTAS_READ_COUNT = 64  # per stream and call
+# Bytes one read returns at most (one entry at least): 250M parameters over
+# 24 fragments and 16 learners made 384 streams of 1.8 MB deltas, and a read of
+# what had piled up outlasted the socket's timeout, failed, and was tried
+# again, so that the syncer applied 3 deltas in 167 s.
+READ_BUDGET_BYTES = 64 * 2**20
 _EVENTS = "notify-keyspace-events"
 _BELL_FALLBACK_S = 0.02
 _TRIM_INTERVAL_S = 1.0
@@ -254,6 +259,7 @@ class DeltaReader:
         # way may have left entries delivered to us that we never saw.
         self._pending_after: dict[str, str | None] = {}
         self.reset_pending()
+        self._held_back: set[str] = set()  # streams the last read held entries back of
         # Handed to the caller and not acked yet: never hand them out twice.
         self._outstanding: set[Token] = set()
         # Accepted during the current read; outstanding once the transport returns
@@ -332,30 +338,40 @@ class DeltaReader:
         if not todo:
             return []
         last_read, items = self._read_bounded(todo)
-        for stream in todo:
-            self._pending_after[stream] = last_read.get(stream)  # None: none left
+        for stream, after in todo.items():
+            if stream not in self._held_back:
+                self._pending_after[stream] = last_read.get(stream)  # None: none left
+            else:
+                self._pending_after[stream] = last_read.get(stream, after)
         return items
 
     def _read_bounded(self, streams: dict[str, str]) -> tuple[dict[str, str], list[Inbound]]:
         """XREADGROUP from ``streams`` (stream -> the id to read after, or ">"),
         no entry larger than ``max_message_bytes`` leaving Redis (READ_BOUNDED
-        acks, deletes and counts those): the last id read per stream that had
-        entries, and the deltas among them."""
+        acks, deletes and counts those) and at most READ_BUDGET_BYTES in all:
+        the last id read per stream that had entries, and the deltas among them.
+        Entries held back for the budget are pending for this consumer; their
+        streams are read again from there (:meth:`read_own_pending`)."""
         reply = cast(
             list[Any],
             self._read_script(
                 keys=list(streams),
                 args=[self._group, self._consumer, _DELTAS_READ_COUNT, self._max_message_bytes,
-                      *streams.values()],
+                      READ_BUDGET_BYTES, *streams.values()],
             ),
         )  # fmt: skip
         self._count_dropped(int(reply[0]))
         last_read: dict[str, str] = {}
         items: list[Inbound] = []
-        for raw_stream, raw_entries, last in reply[1]:
+        self._held_back = set()
+        for raw_stream, raw_entries, last, held in reply[1]:
             stream = to_str(raw_stream)
             if last:
                 last_read[stream] = to_str(last)
+            if held:
+                self._held_back.add(stream)
+                if self._pending_after.get(stream) is None:
+                    self._pending_after[stream] = last_read.get(stream, "0-0")
             items += self._accept(stream, _entries(raw_entries))
         return last_read, items
 

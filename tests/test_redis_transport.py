@@ -26,6 +26,7 @@ import pytest
 import redis
 import torch
 
+from broker import redis_deltas
 from broker.codecs import Codec, apply_change
 from broker.errors import ConfigError
 from broker.redis_common import (
@@ -1043,3 +1044,35 @@ def test_a_change_is_never_published_as_the_weights(redis_server: RedisServer) -
     with pytest.raises(ValueError, match="without weights"):
         syncer.publish(chain.next()[0])
     syncer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_read_returns_at_most_its_budget_and_the_rest_comes_after(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """384 streams of 1.8 MB deltas (250M parameters) made one read larger than
+    the socket moved within its timeout: it failed and was tried again, and the
+    syncer applied 3 deltas in 167 s. A read now returns a bounded number of
+    bytes, and what it held back comes with the next ones, each delta once."""
+    monkeypatch.setattr(redis_deltas, "READ_BUDGET_BYTES", 3 * 4096)
+    url = redis_server.url
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1])
+    learners = [RedisLearnerTransport(url, RUN, name, 0, 2) for name in ("a", "b")]
+    for t in learners:
+        deltas = [make_delta(t.learner_id, s, s % 2, numel=1024) for s in range(12)]
+        send_all(t, deltas)  # 4 kB each: 24 deltas wait in 4 streams
+    got: list[Inbound] = []
+
+    def all_in() -> bool:
+        read = [i for i in syncer.receive(0.1) if isinstance(i.message, Delta)]
+        assert len(read) <= 3 + 1  # the budget, or one delta alone
+        syncer.ack(read)
+        got.extend(read)
+        return len(got) >= 24
+
+    wait_until(all_in, 20, interval_s=0, what="24 deltas")
+    received = sorted((cast(Delta, i.message).learner_id, cast(Delta, i.message).seq) for i in got)
+    assert received == [(name, s) for name in ("a", "b") for s in range(12)]  # each once
+    assert syncer.receive(0.2) == []
+    for t in [*learners, syncer]:
+        t.close()
