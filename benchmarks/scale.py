@@ -473,11 +473,14 @@ def _report(
     """A run's figures, from its raw ones and the syncers' metrics files."""
     rows, seconds = raw["rows"], raw["seconds"]
     idle = idle_syncer_rss()
-    latencies, summaries = [], []
+    latencies, summaries, applied = [], [], 0
     round_times: list[list[float]] = [[] for _ in range(load.shards)]
     for shard in range(load.shards):
         for line in (folder / f"syncer-{shard}.jsonl").read_text().splitlines():
             e = json.loads(line)
+            # Terms merged, by round (written as it closes): a killed shard writes
+            # no summary. A learner's deltas folded into one term count once.
+            applied += e["included"] if e["event"] == "round" else 0
             if e["event"] == "round" and e.get("quorum_to_publish_s") is not None:
                 latencies.append(e["quorum_to_publish_s"])
                 round_times[shard].append(e["t"])
@@ -501,7 +504,9 @@ def _report(
         and len(latencies) >= MIN_ROUNDS,
         "lost_deltas": lost,
         "deltas_sent": sum(r["deltas_sent"] for r in rows),
-        "deltas_applied": sum(s["deltas_applied"] for s in summaries),
+        "deltas_applied": applied,
+        # Resent deltas already applied (a killed shard's learners resend).
+        "duplicates": sum(s["duplicates"] for s in summaries),
         "deltas_rejected": sum(s["deltas_rejected"] for s in summaries),
         "rejected_by_reason": [s["rejected_by_reason"] for s in summaries],
         "syncer_peak_rss_bytes": raw["syncer_peaks"],

@@ -57,7 +57,14 @@ def check_run(run: dict, load: scale.Load) -> None:
     assert run["load"]["shards"] == load.shards and run["load"]["transport"] == load.transport
     assert run["lost_deltas"] == 0
     assert all(r["delivered"] for r in run["learners"]) and len(run["learners"]) == load.learners
-    assert run["deltas_applied"] > 0 and run["deltas_sent"] >= run["deltas_applied"]
+    if load.transport == "zmq" and not load.kill_shard_at_s:
+        # Acked once durable, one delta per learner a round: each in one round.
+        assert run["deltas_applied"] == run["deltas_sent"]
+    else:
+        # A round counts one term per learner, and a restarted shard's rounds
+        # fold the resent deltas of one learner into one; over Redis, deltas
+        # are delivered once in Redis and the shards may hold some unread.
+        assert 0 < run["deltas_applied"] <= run["deltas_sent"]
     assert run["round_latency_p99_s"] is not None and run["round_latency_p99_s"] > 0
     assert len(run["syncer_peak_rss_bytes"]) == load.shards and run["syncer_bytes_per_param"] > 0
     assert run["checkpoint_mb_per_s"] > 0
