@@ -1,5 +1,6 @@
 """benchmarks.scale: its synthetic deltas against a trained model's, and its
-smoke run end to end (two real ZeroMQ syncer shards, four synthetic learners)."""
+smoke run end to end (two real ZeroMQ syncer shards, four synthetic learners),
+and a run that kills one of the two shards."""
 
 from __future__ import annotations
 
@@ -81,16 +82,12 @@ def check_kill(run: dict) -> None:
     assert all(set(r) <= {"duplicate"} for r in refused), refused  # resent, never lost
 
 
-@pytest.mark.timeout(400)
-def test_smoke_shards_each_way_lose_nothing_and_outlive_a_killed_shard(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_smoke_two_zeromq_shards_lose_nothing(tmp_path: Path) -> None:
     assert scale.main(["--smoke", "--out", str(tmp_path)]) == 0
-    zmq, redis = json.loads((tmp_path / "scale-smoke.json").read_text())["runs"]
-    zmq_load, redis_load = scale.MODES["smoke"]
-    check_run(zmq, zmq_load)
-    assert zmq["rounds"] >= scale.MIN_ROUNDS and zmq["shard_kill"] is None
-    check_run(redis, redis_load)
-    assert redis["redis_peak_bytes"] > 0 and redis["redis_aof_mb_per_s"] > 0
-    check_kill(redis)
+    (run,) = json.loads((tmp_path / "scale-smoke.json").read_text())["runs"]
+    check_run(run, scale.MODES["smoke"][0])
+    assert run["rounds"] >= scale.MIN_ROUNDS and run["shard_kill"] is None
     memory = json.loads((tmp_path / "scale-smoke.json").read_text())["shard_memory"]
     assert memory["refused_deltas"] == 0
     # 12 bytes (master, momentum, current version), a few packed rows and
