@@ -68,7 +68,6 @@ class _Queued:
     frame: bytes  # to the stream
     version: GlobalFragment
     whole: GlobalFragment | None  # the version with its weights (None: ``version`` is)
-    snapshot_due: bool  # the model key must get the weights this time
 
 
 class GlobalsPublisher:
@@ -135,7 +134,7 @@ class GlobalsPublisher:
             raise ValueError(f"global of run {fragment.run_id!r} published on run {self._run_id!r}")
         if fragment.is_change and snapshot is None:
             raise ValueError(f"a change of fragment {fragment.fragment} published without weights")
-        self._queue(_Queued(self._encoded(fragment), fragment, snapshot, not fragment.is_change))
+        self._queue(_Queued(self._encoded(fragment), fragment, snapshot))
 
     def announce(self, fragment: GlobalFragment) -> None:
         """As :meth:`publish`, with ``fragment`` without its weights to the stream
@@ -143,7 +142,7 @@ class GlobalsPublisher:
         if fragment.run_id != self._run_id:
             raise ValueError(f"global of run {fragment.run_id!r} announced on run {self._run_id!r}")
         weightless = self._encoded(fragment.without_weights())
-        self._queue(_Queued(weightless, fragment.without_weights(), fragment, True))
+        self._queue(_Queued(weightless, fragment.without_weights(), fragment))
 
     def _queue(self, queued: _Queued) -> None:
         self._unpublished[queued.version.fragment] = queued
@@ -151,15 +150,13 @@ class GlobalsPublisher:
 
     def _writes_weights(self, p: int, queued: _Queued) -> bool:
         """Whether ``queued`` goes to the model key with its weights: when due, and
-        when its change would not follow the list (a change replaced in the
-        queue before Redis got it, a version never handed over)."""
+        whenever it is not a change that follows the list (a whole version or an
+        announcement, the first since this process started, a change replaced in
+        the queue before Redis got it, a version never handed over)."""
         version = queued.version
         last, listed = self._written.get(p, ((-1, -1), self._snapshot_every))
-        return (
-            queued.snapshot_due
-            or (version.epoch, version.change_from) != last
-            or listed + 1 >= self._snapshot_every
-        )
+        follows = version.is_change and (version.epoch, version.change_from) == last
+        return not follows or listed + 1 >= self._snapshot_every
 
     def publish_queued(self) -> None:
         """Write what is queued; raises redis's errors (and keeps it queued)."""
