@@ -223,8 +223,9 @@ def synthetic_learner(spec: dict[str, Any], results: Any) -> None:
     incarnation = time.time_ns()
     transport = connect_learner(
         run.url, run_id=run.run_id, learner_id=learner_id, incarnation=incarnation,
-        num_fragments=plan.num_fragments, max_message_bytes=plan.max_message_bytes,
-        keys=run.run_keys("learner"), identity=Identity.new(),
+        num_fragments=plan.num_fragments, syncer_shards=run.syncer_shards,
+        max_message_bytes=plan.max_message_bytes, keys=run.run_keys("learner"),
+        identity=Identity.new(),
     )  # fmt: skip
     # It joins as a learner that starts from the run's initial model does: it
     # holds version 0 of every fragment (the shards just started), so it
@@ -296,11 +297,9 @@ def synthetic_learner(spec: dict[str, Any], results: Any) -> None:
 def _start_syncer(
     load: Load, run: RunSettings, shard: int, folder: Path, log_file: Any
 ) -> subprocess.Popen[bytes]:
-    served = replace(run, url=_zmq_url(run.url, shard)) if load.transport == "zmq" else run
-    cmd = [sys.executable, "-m", "syncer", *dataclass_to_args(served)]
+    cmd = [sys.executable, "-m", "syncer", *dataclass_to_args(run)]
     cmd += [
         f"--syncer-id=syncer-{shard}",
-        f"--syncer-shards={load.shards}",
         f"--syncer-shard={shard}",
         f"--checkpoint-dir={folder / 'checkpoint'}",
         f"--metrics-file={folder / f'syncer-{shard}.jsonl'}",
@@ -312,12 +311,6 @@ def _start_syncer(
     if proc.stdout.readline().strip() != b"ready":
         raise RuntimeError(f"syncer {shard} did not start; see {folder / 'syncers.log'}")
     return proc
-
-
-def _zmq_url(url: str, shard: int) -> str:
-    """Shard ``shard``'s own endpoint out of the learners' list ``zmq://h:p1,h:p2``."""
-    hosts = url.removeprefix("zmq://").split(",")
-    return "zmq://" + hosts[shard]
 
 
 def measure(load: Load, workdir: Path) -> dict[str, Any]:
@@ -350,7 +343,8 @@ def measure(load: Load, workdir: Path) -> dict[str, Any]:
             url = "zmq://" + ",".join(f"127.0.0.1:{free_port()}" for _ in range(load.shards))
         run = replace(
             base, run_id=RUN_ID, url=url, learners=load.learners, fragments=load.fragments,
-            sync_every=load.sync_every, steps=load.steps, keys=str(folder / "keys"),
+            sync_every=load.sync_every, steps=load.steps, syncer_shards=load.shards,
+            keys=str(folder / "keys"),
             initial_model=str(folder / "initial-model.safetensors"),
         )  # fmt: skip
         log_file = cleanup.enter_context(open(folder / "syncers.log", "ab"))

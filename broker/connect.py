@@ -53,7 +53,9 @@ def _backend_classes(backend: str) -> tuple[type, type]:
 
 
 # Keyword options that are objects, given by the caller, never by a URL.
-_CALLER_OPTIONS = ("keys", "identity", "role", "num_fragments", "roster_cap")
+_CALLER_OPTIONS = (
+    "keys", "identity", "role", "num_fragments", "roster_cap", "syncer_shards", "resolve_host",
+)  # fmt: skip
 
 
 def _keyword_options(cls: type) -> dict[str, Any]:
@@ -160,17 +162,21 @@ def connect_learner(
     keys: RunKeys | None = None,
     identity: Identity | None = None,
     role: str = "learner",
+    syncer_shards: int = 1,
 ) -> LearnerTransport:
     """``max_message_bytes``: the frame bound the plan needs (``plan.max_message_bytes``);
     a ``max_message_bytes`` in the URL wins. ``keys``: the run's keys as a
     learner (or ``role="reader"``) holds them, ``identity`` its own key pair
     (a new one when None); without keys the transport is in the clear
-    (``--insecure``)."""
+    (``--insecure``). ``syncer_shards``: the run's (ZeroMQ talks to each shard;
+    over Redis the fragments' keys say where they go)."""
     parsed = parse_url(url)
     cls, _ = _backend_classes(parsed.backend)
     options = _options_for(cls, parsed) | {"keys": keys, "identity": identity, "role": role}
     if max_message_bytes is not None:
         options.setdefault("max_message_bytes", max_message_bytes)
+    if parsed.backend == "zmq":
+        options["syncer_shards"] = syncer_shards
     # ZeroMQ talks to every syncer endpoint; Redis to one server.
     where = list(parsed.endpoints) if parsed.backend == "zmq" else parsed.endpoints[0]
     transport: LearnerTransport = _built(
@@ -191,23 +197,25 @@ def connect_syncer(
     num_fragments: int | None = None,
     keys: RunKeys | None = None,
     roster_cap: int = MAX_LEARNER_SLOTS,
+    shard: int = 0,
+    syncer_shards: int = 1,
 ) -> SyncerTransport:
     """``max_message_bytes`` as for :func:`connect_learner`; ``num_fragments``
     the run's (Redis: the keys a learner's ACL user may write name each);
     ``keys`` the run's keys as a syncer holds them; ``roster_cap`` the learner
-    slots the syncer grants, at most (its roster cap)."""
+    slots the syncer grants, at most (its roster cap). A ZeroMQ syncer binds
+    its ``shard``'s endpoint of the URL (:func:`~broker.zmq_transport.shard_endpoint`)."""
     parsed = parse_url(url)
     _, cls = _backend_classes(parsed.backend)
     options = _options_for(cls, parsed) | {"keys": keys, "roster_cap": roster_cap}
     if max_message_bytes is not None:
         options.setdefault("max_message_bytes", max_message_bytes)
     if parsed.backend == "zmq":
-        if len(parsed.endpoints) != 1:
-            raise ConfigError(
-                f"url={url!r}: a zmq syncer binds one endpoint; give each syncer its own"
-            )
+        from broker.zmq_transport import shard_endpoint
+
+        bind = shard_endpoint(parsed.endpoints, shard, syncer_shards)
         transport: SyncerTransport = _built(
-            url, "syncer", lambda: cls(parsed.endpoints[0], run_id, fragments, **options)
+            url, "syncer", lambda: cls(bind, run_id, fragments, **options)
         )
     else:
         if num_fragments is not None:
@@ -222,17 +230,14 @@ def connect_syncer(
 
 def lease_shard(
     url: str, *, run_id: str, syncer_shards: int, holder: str, ttl_s: float, keys: RunKeys | None
-) -> ShardLease:
+) -> ShardLease | None:
     """A lease on a free syncer shard index, taken from Redis (waiting as a
-    standby while every index is held): see :mod:`broker.redis_shards`.
-    ZeroMQ has no place to hold one, so each syncer names its shard there."""
+    standby while every index is held): see :mod:`broker.redis_shards`. None
+    over ZeroMQ, which has no server to hold one: there the syncer takes the
+    first shard whose checkpoint folder no live syncer holds."""
     parsed = parse_url(url)
     if parsed.backend == "zmq":
-        raise ConfigError(
-            "syncer_shard=auto needs Redis, which holds the shard leases: over ZeroMQ give "
-            "each syncer its own --syncer-shard and endpoint (learners list the endpoints "
-            "in shard order)"
-        )
+        return None
     from broker.redis_access import SYNCER_USER
     from broker.redis_common import connect
     from broker.redis_shards import ShardLease

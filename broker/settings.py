@@ -40,11 +40,14 @@ def default_quorum(learners: int) -> int:
 @dataclass(frozen=True)
 class RunSettings:
     run_id: str = "default"  # names the run's keys and messages; runs on one broker differ
-    # Where the broker is. ZeroMQ: learners connect to every endpoint
-    # (zmq://host:port[,host:port...]; fragment p belongs to endpoint p mod n),
-    # a syncer binds its one endpoint. Redis: redis://, rediss:// or unix://.
-    # Backend options travel as query parameters (zmq://h:5555?ack_timeout_s=2).
+    # Where the broker is. ZeroMQ: the syncers, one endpoint per shard
+    # (zmq://host:port[,host:port...], in shard order), or one endpoint for all:
+    # shard s at port + 2s on each address of the host (broker.zmq_transport).
+    # Redis: redis://, rediss:// or unix://. Backend options travel as query
+    # parameters (zmq://h:5555?ack_timeout_s=2).
     url: str = "zmq://127.0.0.1:5555"  # the broker: zmq://HOST:PORT or redis://HOST:PORT/DB
+    # Fragment p is served by syncer shard p mod syncer_shards (broker.fragments).
+    syncer_shards: int = 1  # syncers sharing the run, each serving its shard of the fragments
     learners: int = 4  # M, the learners of the run
     quorum: int = 0  # K deltas that close a round; 0: M-1, at least 2 (M if fewer)
     fragments: int = 4  # P, the fragments the model is cut into
@@ -81,7 +84,7 @@ class RunSettings:
         require(isinstance(self.keys, str) and self.keys != "", f"keys={self.keys!r}: a folder")
         if self.url != NO_BROKER:
             parse_url(self.url)  # its ValueError names the url and what to change
-        for name in ("learners", "fragments", "sync_every", "steps"):
+        for name in ("learners", "fragments", "sync_every", "steps", "syncer_shards"):
             require(type(getattr(self, name)) is int, f"{name} must be an integer")
             check_positive(name, getattr(self, name))
         for name in ("quorum", "overlap"):
@@ -90,6 +93,11 @@ class RunSettings:
         require(
             self.quorum <= self.learners,
             f"quorum={self.quorum}: at most learners={self.learners} (0: all but one)",
+        )
+        require(
+            self.syncer_shards <= self.fragments,
+            f"syncer_shards={self.syncer_shards}: at most fragments={self.fragments} "
+            "(a shard serves at least one fragment)",
         )
         require(
             self.sync_every % self.fragments == 0,

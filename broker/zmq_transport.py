@@ -2,9 +2,16 @@
 
 Each syncer binds a ROUTER (``tcp://host:port``) for deltas, heartbeats and
 snapshot requests, and a PUB on ``port + 1`` for globals. A learner connects
-one DEALER and one SUB to every syncer; fragment ``p`` belongs to the syncer
-``owner_shard(p, len(endpoints))`` (:func:`broker.fragments.owner_shard`): the
-endpoints are listed in shard order.
+one DEALER and one SUB to every syncer shard; fragment ``p`` belongs to shard
+``owner_shard(p, syncer_shards)`` (:func:`broker.fragments.owner_shard`).
+Where shard s is (:func:`shard_endpoint`): the URL lists one endpoint per
+shard, in shard order, or one endpoint for all of them, and shard s listens
+at ``port + 2s``. With one endpoint for several shards, a learner connects
+each shard's sockets to that port on every address the host name resolves
+to, and looks it up again every few seconds: the replicas of a scaled
+compose service share one name, and a restarted one may come back at another
+address. Only the replica that holds shard s listens on its port, so each
+DEALER has one live peer.
 
 Deltas and globals travel as three-part messages, the parts of
 :func:`broker.wire.encode_parts` (prefix and header, payload, checksum), so a
@@ -29,8 +36,10 @@ only the slots holders say they hold (their renewals), then free ones again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,6 +51,7 @@ import zmq
 
 from broker import wire
 from broker.config_checks import check_positive, require
+from broker.errors import ConfigError
 from broker.fragments import owner_shard
 from broker.keys import (
     CURVE_PUBLIC,
@@ -118,12 +128,53 @@ _IDENTITY_REFUSALS = {
 _ENROLL_EVERY_S = 1.0
 # ... and how soon after a refused subscription it enrolls and subscribes again.
 _RESUBSCRIBE_AFTER_S = 0.2
+# One endpoint for several shards: shard s's ROUTER is at port + 2s, its PUB
+# at the port after it.
+SHARD_PORT_STRIDE = 2
+# ... and how often a learner looks the host's addresses up again.
+_REDIAL_EVERY_S = 2.0
 
 
 def pub_endpoint(endpoint: str) -> str:
     """The PUB endpoint that goes with a syncer's ROUTER endpoint (port + 1)."""
     host, _, port = endpoint.rpartition(":")
     return f"{host}:{int(port) + 1}"
+
+
+def shard_endpoint(endpoints: Sequence[str], shard: int, shards: int) -> str:
+    """Syncer shard ``shard``'s ROUTER endpoint, out of a URL's ``endpoints``:
+    the shard-th when they are one per shard; with one endpoint for all,
+    its host at ``port + SHARD_PORT_STRIDE * shard``."""
+    if len(endpoints) == shards:
+        return endpoints[shard]
+    if len(endpoints) != 1:
+        raise ConfigError(
+            f"the url lists {len(endpoints)} syncer endpoints for syncer_shards={shards}: "
+            "list one per shard, in shard order, or one for all (shard s at port + 2s)"
+        )
+    host, _, port = endpoints[0].rpartition(":")
+    last = int(port) + SHARD_PORT_STRIDE * (shards - 1) + 1  # the last shard's PUB
+    if last > 65535:
+        raise ConfigError(
+            f"{endpoints[0]}: {shards} shards need ports up to {last}; use a lower one"
+        )
+    return f"{host}:{int(port) + SHARD_PORT_STRIDE * shard}"
+
+
+def resolve_addresses(host: str) -> set[str]:
+    """Every address ``host`` resolves to (a scaled compose service: one per replica)."""
+    return {str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+
+
+def _at_address(endpoint: str, address: str) -> str:
+    """``endpoint`` with its host replaced by ``address``."""
+    port = endpoint.rpartition(":")[2]
+    return f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
+
+
+def _disconnect(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    with contextlib.suppress(zmq.ZMQError):  # not connected (any more): nothing to undo
+        sock.disconnect(endpoint)
 
 
 def _socket(
@@ -245,7 +296,7 @@ def _decode(
 @dataclass
 class _Pending:
     parts: Parts
-    owner: int  # index of the syncer endpoint
+    owner: int  # the syncer shard
     last_sent: float = -math.inf
     attempts: int = 0
 
@@ -467,10 +518,11 @@ class Candidates:
 
 
 class ZmqLearnerTransport(LearnerTransport):
-    """Learner side: a DEALER and a SUB per syncer. Deltas go through a
+    """Learner side: a DEALER and a SUB per syncer shard. Deltas go through a
     :class:`DeltaSender`, globals are collected as :class:`Candidates`, snapshots
     are asked for by :class:`SnapshotRequests`; this class owns the sockets and
-    hands each inbound message to its part."""
+    hands each inbound message to its part. ``resolve_host``: how a host name
+    becomes its addresses (one endpoint for several shards)."""
 
     def __init__(
         self,
@@ -487,9 +539,18 @@ class ZmqLearnerTransport(LearnerTransport):
         keys: RunKeys | None = None,
         identity: Identity | None = None,
         role: str = "learner",
+        syncer_shards: int = 1,
+        resolve_host: Callable[[str], set[str]] = resolve_addresses,
     ) -> None:
         if not endpoints:
             raise ValueError("give at least one syncer endpoint")
+        # Each shard's endpoint; with one endpoint for several shards, its host is
+        # looked up and each of its addresses dialled (_dial).
+        self._shard_endpoints = [
+            shard_endpoint(endpoints, s, syncer_shards) for s in range(syncer_shards)
+        ]
+        self._lookup_host = len(endpoints) < syncer_shards
+        self._resolve_host = resolve_host
         _check_options(
             max_message_bytes=max_message_bytes, max_unacked=max_unacked, send_hwm=send_hwm
         )
@@ -519,14 +580,13 @@ class ZmqLearnerTransport(LearnerTransport):
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._dealers: list[zmq.Socket[bytes]] = []
         self._subs: list[zmq.Socket[bytes]] = []
-        self._endpoints: list[str] = []
+        self._dialled: list[set[str]] = []  # per shard: the ROUTER endpoints its sockets dial
+        self._dialled_at = -math.inf
         self._monitors: list[zmq.Socket[bytes] | None] = []
         self._resubscribe_at: dict[int, float] = {}
         self._poller = zmq.Poller()
         with _destroyed_on_error(self._ctx):
-            self._connect(
-                endpoints, f"{learner_id}/{incarnation}".encode(), max_message_bytes, send_hwm
-            )
+            self._connect(f"{learner_id}/{incarnation}".encode(), max_message_bytes, send_hwm)
         self._enroll()
         self._deltas = DeltaSender(
             self._dealers,
@@ -547,31 +607,61 @@ class ZmqLearnerTransport(LearnerTransport):
         # While snapshot() runs: the weights the caller holds.
         self._held: Mapping[int, Any] = {}
 
-    def _connect(
-        self, endpoints: Sequence[str], identity: bytes, max_message_bytes: int, send_hwm: int
-    ) -> None:
-        for endpoint in endpoints:
+    def _connect(self, identity: bytes, max_message_bytes: int, send_hwm: int) -> None:
+        for _ in self._shard_endpoints:
             dealer = _socket(self._ctx, zmq.DEALER, max_message_bytes)
             if self._identity is None:
                 dealer.setsockopt(zmq.IDENTITY, identity)
             # else: the syncer names the connection (no handover of a chosen id)
             self._secure(dealer)
             # Queue nothing for a syncer that is not connected: a restarted
-            # syncer gets resends from us instead of a stale backlog.
+            # syncer gets resends from us instead of a stale backlog; and with
+            # one endpoint for several shards, nothing for the other shards'
+            # addresses, where nobody listens on this shard's port.
             dealer.setsockopt(zmq.IMMEDIATE, 1)
             dealer.setsockopt(zmq.SNDHWM, send_hwm)
-            dealer.connect(endpoint)
+            dealer.setsockopt(zmq.IPV6, self._lookup_host)
             self._poller.register(dealer, zmq.POLLIN)
             self._dealers.append(dealer)
-            self._endpoints.append(endpoint)
-            self._subs.append(self._subscribe(endpoint))
+            self._dialled.append(set())
+            self._subs.append(self._subscribe(set()))
             self._monitors.append(self._monitor(self._subs[-1]))
+        self._dial()
 
-    def _subscribe(self, endpoint: str) -> zmq.Socket[bytes]:
+    def _dial(self) -> None:
+        """Connect each shard's sockets to where the shard is, and leave the
+        endpoints it is no longer at. With one endpoint for several shards that
+        is its port on every address the host has now (a name that does not
+        resolve for the moment keeps the last ones)."""
+        self._dialled_at = time.monotonic()
+        if not self._lookup_host:
+            wanted = [{e} for e in self._shard_endpoints]
+        else:
+            host = self._shard_endpoints[0].removeprefix("tcp://").rpartition(":")[0].strip("[]")
+            try:
+                addresses = self._resolve_host(host)
+            except OSError as e:
+                log.debug("the syncers' host %s does not resolve now: %s", host, e)
+                return
+            wanted = [{_at_address(e, a) for a in addresses} for e in self._shard_endpoints]
+        for shard, endpoints in enumerate(wanted):
+            dealer, sub = self._dealers[shard], self._subs[shard]
+            for endpoint in endpoints - self._dialled[shard]:
+                dealer.connect(endpoint)
+                sub.connect(pub_endpoint(endpoint))
+            for endpoint in self._dialled[shard] - endpoints:
+                _disconnect(dealer, endpoint)
+                _disconnect(sub, pub_endpoint(endpoint))
+            self._dialled[shard] = endpoints
+
+    def _subscribe(self, endpoints: set[str]) -> zmq.Socket[bytes]:
+        """A SUB to the PUBs beside ``endpoints`` (ROUTERs)."""
         sub = _socket(self._ctx, zmq.SUB, self.max_message_bytes)
         self._secure(sub)
         sub.setsockopt(zmq.SUBSCRIBE, GLOBALS_TOPIC)
-        sub.connect(pub_endpoint(endpoint))
+        sub.setsockopt(zmq.IPV6, self._lookup_host)
+        for endpoint in endpoints:
+            sub.connect(pub_endpoint(endpoint))
         self._poller.register(sub, zmq.POLLIN)
         return sub
 
@@ -594,7 +684,7 @@ class ZmqLearnerTransport(LearnerTransport):
             if self._resubscribe_at.get(i, math.inf) <= now:
                 del self._resubscribe_at[i]
                 self._enroll_with(i)
-                old, self._subs[i] = self._subs[i], self._subscribe(self._endpoints[i])
+                old, self._subs[i] = self._subs[i], self._subscribe(self._dialled[i])
                 self._poller.unregister(old)
                 old.disable_monitor()
                 old.close(linger=0)
@@ -685,14 +775,18 @@ class ZmqLearnerTransport(LearnerTransport):
         if keys is None or keys.curve_public == self._keys.curve_public:
             return
         self._keys = keys
-        for dealer, sub, endpoint in zip(self._dealers, self._subs, self._endpoints, strict=True):
-            for sock, where in ((dealer, endpoint), (sub, pub_endpoint(endpoint))):
+        for dealer, sub, endpoints in zip(self._dealers, self._subs, self._dialled, strict=True):
+            for sock in (dealer, sub):
                 sock.curve_serverkey = keys.curve_public
-                sock.disconnect(where)
-                sock.connect(where)
+            for endpoint in endpoints:
+                for sock, where in ((dealer, endpoint), (sub, pub_endpoint(endpoint))):
+                    _disconnect(sock, where)
+                    sock.connect(where)
         log.warning("learner %s: dialling the syncers with their rotated key", self.learner_id)
 
     def _drain(self, timeout_s: float) -> None:
+        if self._lookup_host and time.monotonic() - self._dialled_at >= _REDIAL_EVERY_S:
+            self._dial()
         self._take_up_curve_rotation()
         self._renew_refused()
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))

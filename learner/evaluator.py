@@ -108,6 +108,7 @@ class Evaluator:
             learner_id=EVALUATOR_ID,
             incarnation=time.time_ns(),
             num_fragments=cfg.run.fragments,
+            syncer_shards=cfg.run.syncer_shards,
             max_message_bytes=self.plan.max_message_bytes,
             keys=cfg.run.run_keys("reader"),
             role="reader",

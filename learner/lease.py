@@ -63,6 +63,7 @@ class SlotLease:
             learner_id=holder,
             incarnation=time.time_ns(),
             num_fragments=run.fragments,
+            syncer_shards=run.syncer_shards,
             keys=run.run_keys("learner"),
             identity=identity,
         )

@@ -15,7 +15,7 @@ AGGREGATIONS = ("mean", "radial", "trimmed_mean", "coordinate_median")
 QUARANTINE_ACTIONS = ("clip", "refuse")
 # The boundaries of the delta pipeline (receive -> merge -> checkpoint -> publish
 # -> ack) where a fault test can kill the syncer (SyncerConfig.crash_at).
-AUTO_SHARD = "auto"  # syncer_shard: leased from Redis (broker.redis_shards)
+AUTO_SHARD = "auto"  # syncer_shard: the lowest free index (see SyncerConfig)
 CRASH_POINTS = ("after_receive", "after_update", "after_checkpoint", "before_ack")
 
 
@@ -66,9 +66,10 @@ class SyncerConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     syncer_id: str = "syncer-0"
     # Shard s serves the fragments p with p mod syncer_shards == s (broker.fragments),
-    # from its own folder checkpoint_dir/shard-s when there are several.
-    syncer_shards: int = 1  # syncers sharing the run, each serving its shard of the fragments
-    syncer_shard: str = "0"  # this syncer's index, or auto: the lowest no live syncer holds (Redis)
+    # from its own folder checkpoint_dir/shard-s when there are several. auto:
+    # Redis leases an index; over ZeroMQ the syncer takes the first shard folder
+    # of checkpoint_dir no live syncer holds (replicas share the folder).
+    syncer_shard: str = "0"  # this syncer's index in [0, syncer_shards), or auto: the lowest free
     checkpoint_dir: str = "syncer-checkpoint"
     # A fragment's full state is written every this many of its rounds; the
     # rounds between append their compact change to a log (syncer/checkpoint.py).
@@ -86,17 +87,11 @@ class SyncerConfig:
         check_int("full_checkpoint_every", self.full_checkpoint_every)
         if self.crash_at:
             check_choice("crash_at", self.crash_at, CRASH_POINTS)
-        check_int("syncer_shards", self.syncer_shards)
-        require(
-            self.syncer_shards <= self.run.fragments,
-            f"syncer_shards={self.syncer_shards}: at most fragments={self.run.fragments} "
-            "(a shard serves at least one fragment)",
-        )
+        shards = self.run.syncer_shards
         require(
             self.syncer_shard == AUTO_SHARD
-            or (self.syncer_shard.isdigit() and int(self.syncer_shard) < self.syncer_shards),
-            f"syncer_shard={self.syncer_shard!r}: use {AUTO_SHARD} or an index in "
-            f"[0, {self.syncer_shards})",
+            or (self.syncer_shard.isdigit() and int(self.syncer_shard) < shards),
+            f"syncer_shard={self.syncer_shard!r}: use {AUTO_SHARD} or an index in [0, {shards})",
         )
         cap = self.outer.max_learners
         require(

@@ -59,19 +59,56 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _lock_folder(folder: Path) -> IO[bytes]:
-    """An exclusive lock on the checkpoint folder, held while the syncer lives: two
-    syncers writing one folder would each overwrite the other's state."""
+def _shard_folder(checkpoint_dir: Path, shard: int, shards: int) -> Path:
+    """Where shard ``shard`` keeps its checkpoint: with several shards, each its
+    own folder of ``checkpoint_dir``, on a volume they share."""
+    return checkpoint_dir / f"shard-{shard}" if shards > 1 else checkpoint_dir
+
+
+def _try_lock_folder(folder: Path) -> IO[bytes] | None:
+    """An exclusive lock on the checkpoint folder, held while the syncer lives (the
+    kernel drops it when the process dies), or None if a live syncer holds it."""
     folder.mkdir(parents=True, exist_ok=True)
     handle = open(folder / ".lock", "wb")  # noqa: SIM115 (held open: it is the lock)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
+        return None
+    return handle
+
+
+def _lock_folder(folder: Path) -> IO[bytes]:
+    """The folder's lock: two syncers writing one folder would each overwrite the
+    other's state."""
+    handle = _try_lock_folder(folder)
+    if handle is None:
         raise ConfigError(
             f"{folder} is in use by another syncer: give each syncer its own --checkpoint-dir"
-        ) from None
+        )
     return handle
+
+
+def _take_shard_folder(checkpoint_dir: Path, shards: int) -> tuple[int, IO[bytes]]:
+    """``syncer_shard=auto`` over ZeroMQ, which has no server to lease shards
+    from: the lowest shard whose folder no live syncer holds, waiting as a
+    standby while all are held. The replicas share ``checkpoint_dir`` (one host,
+    or a file system whose locks span hosts); a restarted replica takes the
+    folder its own death freed, unless a standby took it first."""
+    said = False
+    while True:
+        for shard in range(shards):
+            handle = _try_lock_folder(_shard_folder(checkpoint_dir, shard, shards))
+            if handle is not None:
+                return shard, handle
+        if not said:
+            log.warning(
+                "all %d shard folder(s) of %s are held by live syncers: this one waits as a "
+                "standby and takes the first that frees",
+                shards, checkpoint_dir,
+            )  # fmt: skip
+            said = True
+        time.sleep(1.0)
 
 
 class Syncer:
@@ -98,35 +135,39 @@ class Syncer:
                 f"sync_every={run.sync_every}: run `ddiloco init` with the same settings"
             )
         self.shard_lease: ShardLease | None = None
-        if cfg.syncer_shard == AUTO_SHARD:
-            self.shard_lease = lease_shard(
-                run.url,
-                run_id=run.run_id,
-                syncer_shards=cfg.syncer_shards,
-                # In a container: its id and pid 1, the same after a restart.
-                holder=f"{default_holder()}:{os.getpid()}",
-                ttl_s=GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s,
-                keys=run.run_keys("syncer"),
-            )
-            self.shard = self.shard_lease.take()
-        else:
+        held: IO[bytes] | None = None  # the shard's checkpoint folder's lock, if taken here
+        if cfg.syncer_shard != AUTO_SHARD:
             self.shard = int(cfg.syncer_shard)
+        elif lease := lease_shard(
+            run.url,
+            run_id=run.run_id,
+            syncer_shards=run.syncer_shards,
+            # In a container: its id and pid 1, the same after a restart.
+            holder=f"{default_holder()}:{os.getpid()}",
+            ttl_s=GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s,
+            keys=run.run_keys("syncer"),
+        ):
+            self.shard_lease = lease
+            self.shard = lease.take()
+        else:
+            self.shard, held = _take_shard_folder(Path(cfg.checkpoint_dir), run.syncer_shards)
         try:
-            self._start(initial, transport)
+            self._start(initial, transport, held)
         except BaseException:
             if self.shard_lease is not None:
                 self.shard_lease.close()
             raise
 
-    def _start(self, initial: InitialModel, transport: SyncerTransport | None) -> None:
-        """Everything but the shard: the fragments' states from the checkpoint,
-        the transport and the stages."""
+    def _start(
+        self, initial: InitialModel, transport: SyncerTransport | None, held: IO[bytes] | None
+    ) -> None:
+        """Everything but the shard: the fragments' states from the checkpoint
+        (its folder's lock ``held`` already, or taken here), the transport and
+        the stages."""
         cfg, run, outer = self.cfg, self.cfg.run, self.cfg.outer
-        self.owned = owned_fragments(self.shard, cfg.syncer_shards, run.fragments)
-        self.checkpoint_dir = Path(cfg.checkpoint_dir)
-        if cfg.syncer_shards > 1:  # each shard its own folder, on a volume they share
-            self.checkpoint_dir /= f"shard-{self.shard}"
-        self._lock = _lock_folder(self.checkpoint_dir)
+        self.owned = owned_fragments(self.shard, run.syncer_shards, run.fragments)
+        self.checkpoint_dir = _shard_folder(Path(cfg.checkpoint_dir), self.shard, run.syncer_shards)
+        self._lock = held or _lock_folder(self.checkpoint_dir)
         self._check_manifest()
         self.states: dict[int, FragmentState] = {}
         resumed, fresh = [], []
@@ -166,6 +207,8 @@ class Syncer:
             num_fragments=self.plan.num_fragments,
             keys=run.run_keys("syncer"),
             roster_cap=cfg.roster_cap,
+            shard=self.shard,
+            syncer_shards=run.syncer_shards,
         )
         if fresh and not cfg.new_epoch:
             self._refuse_to_forget(fresh)
@@ -211,10 +254,10 @@ class Syncer:
                 "checkpoint_dir elsewhere or delete it"
             )
         shards = manifest.get("syncer_shards", 1) if manifest is not None else None
-        if shards is not None and shards != self.cfg.syncer_shards:
+        if shards is not None and shards != self.cfg.run.syncer_shards:
             raise ConfigError(
                 f"{self.checkpoint_dir} holds the checkpoint of a run with syncer_shards="
-                f"{shards}, not {self.cfg.syncer_shards}: fragments cannot move between "
+                f"{shards}, not {self.cfg.run.syncer_shards}: fragments cannot move between "
                 "shards in a run; start it with the same syncer_shards"
             )
         save_manifest(
@@ -222,7 +265,7 @@ class Syncer:
             {
                 "run_id": self.cfg.run.run_id,
                 "plan_hash": self.plan.plan_hash,
-                "syncer_shards": self.cfg.syncer_shards,
+                "syncer_shards": self.cfg.run.syncer_shards,
                 "fragments": self.plan.num_fragments,
                 "sync_every": self.plan.sync_every,
                 "initial_model": self.cfg.run.initial_model,
@@ -337,7 +380,7 @@ def run_syncer(cfg: SyncerConfig) -> None:
         "syncer %s, shard %d of %d, owns fragments %s (plan %s)",
         cfg.syncer_id,
         syncer.shard,
-        cfg.syncer_shards,
+        cfg.run.syncer_shards,
         syncer.owned,
         syncer.plan.plan_hash,
     )

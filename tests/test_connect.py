@@ -3,6 +3,7 @@ carry a delta and its ack (ZeroMQ on loopback, a private redis-server)."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 import pytest
 import redis
 import torch
+import zmq
 from redis.connection import parse_url as redis_py_parse_url
 
 from broker.connect import BrokerUrl, connect_learner, connect_syncer, parse_url
@@ -18,7 +20,7 @@ from broker.redis_learner import RedisLearnerTransport
 from broker.redis_syncer import RedisSyncerTransport
 from broker.transport import Backpressure, Inbound, LearnerTransport, SyncerTransport
 from broker.wire import Delta
-from broker.zmq_transport import ZmqLearnerTransport, ZmqSyncerTransport
+from broker.zmq_transport import ZmqLearnerTransport, ZmqSyncerTransport, shard_endpoint
 from compose.processes import free_port_pair
 from tests.servers import RedisServer, wait_until
 
@@ -150,11 +152,31 @@ def test_zmq_option_of_the_wrong_type(option: str, text: str, expected: str) -> 
         parse_url(f"zmq://host:5555?{option}={text}")
 
 
-def test_zmq_syncer_binds_one_endpoint() -> None:
-    with pytest.raises(ValueError, match="binds one endpoint"):
-        connect_syncer(
-            "zmq://127.0.0.1:5555,127.0.0.1:5557", run_id=RUN, syncer_id="s", fragments=[0]
-        )
+def test_each_zmq_shard_has_one_endpoint_from_a_list_or_from_one_port() -> None:
+    listed = ("tcp://a:6000", "tcp://b:5555", "tcp://c:7000")
+    assert [shard_endpoint(listed, s, 3) for s in range(3)] == list(listed)
+    assert [shard_endpoint(("tcp://syncer:5555",), s, 3) for s in range(3)] == [
+        "tcp://syncer:5555", "tcp://syncer:5557", "tcp://syncer:5559",
+    ]  # fmt: skip
+    assert shard_endpoint(("tcp://syncer:5555",), 0, 1) == "tcp://syncer:5555"
+    with pytest.raises(ValueError, match="lists 3 syncer endpoints for syncer_shards=2"):
+        shard_endpoint(listed, 0, 2)
+    with pytest.raises(ValueError, match="2 shards need ports up to 65536"):
+        shard_endpoint(("tcp://syncer:65533",), 0, 2)
+
+
+def test_a_zmq_syncer_binds_its_shards_endpoint_of_the_runs_url() -> None:
+    first, second = free_port_pair(), free_port_pair()
+    url = f"zmq://127.0.0.1:{first},127.0.0.1:{second}"
+    with pytest.raises(ValueError, match="lists 2 syncer endpoints for syncer_shards=1"):
+        connect_syncer(url, run_id=RUN, syncer_id="s", fragments=[0])
+    syncer = connect_syncer(url, run_id=RUN, syncer_id="s", fragments=[1], shard=1, syncer_shards=2)
+    try:
+        assert isinstance(syncer, ZmqSyncerTransport)
+        endpoint = syncer._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        assert endpoint == f"tcp://127.0.0.1:{second}"
+    finally:
+        syncer.close()
 
 
 # -- parse_url: Redis ------------------------------------------------------------------
@@ -322,3 +344,56 @@ def test_redis_delta_and_ack_over_a_real_server(redis_server: RedisServer) -> No
             assert "ddiloco-test" in names
     finally:
         client.close()
+
+
+def free_shard_ports(shards: int) -> int:
+    """A port from which the ``2 * shards`` ports of one endpoint for all shards are free."""
+    for _ in range(100):
+        base = free_port_pair()
+        if all(free_port_pair_at(base + 2 * s) for s in range(1, shards)):
+            return base
+    raise RuntimeError("no free run of ports on loopback")
+
+
+def free_port_pair_at(port: int) -> bool:
+    try:
+        for p in (port, port + 1):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.integration
+def test_one_zmq_endpoint_for_two_shards_reaches_each_where_its_host_is_now() -> None:
+    """Two shards behind one name (replicas of a compose service): the learner
+    finds shard s at port + 2s on whichever address the name has, and follows a
+    shard that comes back at another address (a restarted container)."""
+    base = free_shard_ports(2)
+    addresses = {"127.0.0.1", "127.0.0.2"}
+    looked_up: list[str] = []
+
+    def resolve(host: str) -> set[str]:
+        looked_up.append(host)
+        return set(addresses)
+
+    shard_0 = ZmqSyncerTransport(f"tcp://127.0.0.1:{base}", RUN, [0])
+    shard_1 = ZmqSyncerTransport(f"tcp://127.0.0.2:{base + 2}", RUN, [1])
+    learner = ZmqLearnerTransport(
+        [f"tcp://syncers.test:{base}"], RUN, "learner-a", 1, 2,
+        syncer_shards=2, resolve_host=resolve,
+    )  # fmt: skip
+    try:
+        for seq, shard, other in ((1, shard_0, shard_1), (2, shard_1, shard_0)):
+            shard.ack([deliver(learner, shard, delta(seq=seq, fragment=seq - 1))])
+            assert other.receive(0.05) == []  # each delta went to its own shard only
+        shard_1.close()
+        addresses = {"127.0.0.1", "127.0.0.3"}
+        shard_1 = ZmqSyncerTransport(f"tcp://127.0.0.3:{base + 2}", RUN, [1])
+        shard_1.ack([deliver(learner, shard_1, delta(seq=3, fragment=1))])
+        assert set(looked_up) == {"syncers.test"} and len(looked_up) >= 2
+    finally:
+        learner.close()
+        shard_0.close()
+        shard_1.close()

@@ -1,9 +1,12 @@
-"""Syncer shards: the rule that gives each shard its fragments, and shard
-leases (``--syncer-shard auto``) against a real redis-server, with the run's
-users (the syncers' ACL user holds the leases)."""
+"""Syncer shards: the rule that gives each shard its fragments, shard leases
+(``--syncer-shard auto``) against a real redis-server, with the run's users
+(the syncers' ACL user holds the leases), and over ZeroMQ the shard folders
+that replicas lock instead."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from broker.connect import lease_shard
-from broker.errors import ConfigError, TransportError
+from broker.errors import TransportError
 from broker.fragments import owned_fragments, owner_shard
 from broker.keys import RunKeys, make_keys
 from broker.redis_common import shard_key
 from broker.redis_shards import ShardLease
+from syncer.service import _take_shard_folder
 from tests.servers import RedisServer, wait_until
 
 RUN = "shards-test"
@@ -111,7 +115,40 @@ class TestShardLease:
 
 
 def test_zmq_has_no_shard_leases() -> None:
-    with pytest.raises(ConfigError, match="over ZeroMQ give each syncer its own --syncer-shard"):
+    assert (
         lease_shard(
             "zmq://127.0.0.1:5555", run_id=RUN, syncer_shards=2, holder="a", ttl_s=1, keys=None
         )
+        is None
+    )
+
+
+def test_over_zmq_each_replica_takes_a_free_shard_folder_and_a_standby_the_next_freed(
+    tmp_path: Path,
+) -> None:
+    """``--syncer-shard auto`` over ZeroMQ: the lowest shard whose folder of the
+    shared checkpoint folder no live syncer locks; a third replica waits and
+    takes the folder of one that died (a real process, SIGKILLed: the kernel
+    frees its lock)."""
+    code = (
+        "import sys, time; from pathlib import Path; from syncer.service import _take_shard_folder;"
+        f"shard, _ = _take_shard_folder(Path({str(tmp_path)!r}), 2); print(shard, flush=True);"
+        "time.sleep(600)"
+    )
+    first = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "0"
+        second, second_lock = _take_shard_folder(tmp_path, 2)
+        assert second == 1 and (tmp_path / "shard-1" / ".lock").exists()
+        taken: list[int] = []
+        standby = threading.Thread(target=lambda: taken.append(_take_shard_folder(tmp_path, 2)[0]))
+        standby.start()
+        time.sleep(1.5)
+        assert taken == []  # both held: it waits
+        first.kill()
+        standby.join(timeout=10)
+        assert taken == [0]
+        second_lock.close()
+    finally:
+        first.kill()
+        first.wait()

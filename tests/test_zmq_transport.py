@@ -140,7 +140,9 @@ class Consumer:
 def run_learner(bind: str | list[str], name: str, n: int, errors: list[BaseException]) -> None:
     try:
         binds = [bind] if isinstance(bind, str) else bind
-        t = ZmqLearnerTransport(binds, RUN, name, 1, 4, max_unacked=64, ack_timeout_s=1.0)
+        t = ZmqLearnerTransport(
+            binds, RUN, name, 1, 4, max_unacked=64, ack_timeout_s=1.0, syncer_shards=len(binds)
+        )
         try:
             for seq in range(1, n + 1):
                 d = delta(name, seq, seq % 4)
