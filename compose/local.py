@@ -131,6 +131,12 @@ class LocalConfig:
                 raise ConfigError(f"{name}={value}: must be >= 0")
         if self.mode == "diloco" and self.run.quorum not in (0, m):
             raise ConfigError("mode=diloco is synchronous: its quorum is M; drop --quorum")
+        if self.run.syncer_shards > 1:
+            raise ConfigError(
+                f"syncer_shards={self.run.syncer_shards}: `ddiloco local` runs one syncer; run "
+                "shards with `ddiloco syncer --syncer-shard S` each, or in the compose cluster "
+                "(DDILOCO_SYNCER_SHARDS)"
+            )
         if self.mode == "ddp" and self.kill_syncer_at_s:
             raise ConfigError("mode=ddp has no syncer to kill: drop --kill-syncer-at-s")
         if self.netns and self.run.url != RunSettings.url:

@@ -1,7 +1,8 @@
 """The container cluster against a real Docker engine: one lifecycle with docker
 compose over Redis (up with two syncer shards, scale, a learner and one shard
-crashed by ddiloco chaos, a throttled learner, the end), and the same file on a
-single-node swarm.
+crashed by ddiloco chaos, a throttled learner, the end), and the same file with
+its ZeroMQ variant on a single-node swarm (two syncer shards behind one name,
+one killed and replaced by a task at another address).
 
 Every wait polls a condition with a timeout. Each test removes its containers,
 volumes and networks; the images are built once and removed at the end.
@@ -24,6 +25,7 @@ from broker.redis_access import SYNCER_USER
 from broker.settings import default_quorum
 from compose.throttle import parse_rate
 from tests.docker_env import (
+    COMPOSE_DIR,
     COMPOSE_FILE,
     ClusterImages,
     build_images,
@@ -380,8 +382,14 @@ def print_swarm_state(stack: str, run_dir: Path) -> None:
             print(json.dumps(event)[:400])
 
 
+def swarm_rounds(run_dir: Path) -> list[dict[str, Any]]:
+    return [e for e in read_jsonl(run_dir / "syncer.jsonl") if e["event"] == "round"]
+
+
 @pytest.mark.timeout(3600)
-def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) -> None:
+def test_swarm_stack_over_zeromq_with_two_learners_and_two_syncer_shards(
+    images: ClusterImages, tmp_path: Path
+) -> None:
     client = docker_client()
     joined_here = client.info().get("Swarm", {}).get("LocalNodeState") != "active"
     had_gateway = any(n.name == "docker_gwbridge" for n in client.networks.list())
@@ -399,17 +407,21 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
         "DDILOCO_KEYS_DIR": str(make_keys(tmp_path / "keys")),
         "DDILOCO_RUN_ID": stack,
         "DDILOCO_LEARNER_REPLICAS": "2",
+        "DDILOCO_SYNCER_SHARDS": "2",
     }
     started = time.monotonic()
+    files = ["-c", str(COMPOSE_FILE), "-c", str(COMPOSE_DIR / "compose.zmq.yaml")]
     try:
-        run(["docker", "stack", "deploy", "-c", str(COMPOSE_FILE), stack], env=env, timeout=300)
+        run(["docker", "stack", "deploy", *files, stack], env=env, timeout=300)
 
         def rounds_closed() -> bool:
-            rounds = [e for e in read_jsonl(run_dir / "syncer.jsonl") if e["event"] == "round"]
+            rounds = swarm_rounds(run_dir)
             learners = {name for r in rounds for name in r["learners"]}
             # M is 4 by default: K follows the 2 learners that joined, no edit.
+            # Fragment s of 2 is served by shard s, each a replica of `syncer`.
             return (
                 len(rounds) >= 4
+                and {r["fragment"] for r in rounds} == {0, 1}
                 and learners == {"learner-0", "learner-1"}
                 and rounds[-1]["quorum"] == default_quorum(2)
             )
@@ -423,6 +435,47 @@ def test_swarm_stack_with_two_learners(images: ClusterImages, tmp_path: Path) ->
         listed = run(["docker", "stack", "services", stack, "--format", "{{json .}}"])
         services = {json.loads(line)["Name"]: json.loads(line) for line in listed.splitlines()}
         assert services[f"{stack}_learner"]["Replicas"] == "2/2"
+        assert services[f"{stack}_syncer"]["Replicas"] == "2/2"
+
+        # One shard's container killed: swarm replaces it by a task at another
+        # address, which takes the freed shard folder; the learners find it
+        # there, and the other shard's rounds go on meanwhile.
+        syncer_tasks = client.containers.list(
+            filters={"label": f"com.docker.swarm.service.name={stack}_syncer"}
+        )
+        shards = {shard_in_log(c.name): c for c in syncer_tasks}
+        assert sorted(shards) == [0, 1], shards
+        victim = shards[0]
+        networks = victim.attrs["NetworkSettings"]["Networks"]
+        old_address = {n["IPAddress"] for n in networks.values()}
+        victim.kill()
+        killed_at = time.time()
+
+        def shard_0_back() -> bool:
+            return any(r["fragment"] == 0 and r["t"] > killed_at for r in swarm_rounds(run_dir))
+
+        try:
+            wait_until(shard_0_back, 300, interval_s=1, what="shard 0's rounds after its kill")
+        except TimeoutError:
+            print_swarm_state(stack, run_dir)
+            raise
+        after = [r for r in swarm_rounds(run_dir) if r["t"] > killed_at]
+        back_at = next(r["t"] for r in after if r["fragment"] == 0)
+        TIMINGS["swarm_shard_outage_s"] = round(back_at - killed_at, 1)
+        assert any(r["fragment"] == 1 and r["t"] < back_at for r in after), after
+        replaced = [
+            c
+            for c in client.containers.list(
+                filters={"label": f"com.docker.swarm.service.name={stack}_syncer"}
+            )
+            if c.id != victim.id and shard_in_log(c.name) == 0
+        ]
+        assert replaced, "no new task holds shard 0"
+        assert "resumed fragments" in container_log(replaced[0].name)  # the shared checkpoint
+        new_networks = replaced[0].attrs["NetworkSettings"]["Networks"]
+        TIMINGS["swarm_shard_moved_address"] = float(
+            not old_address & {n["IPAddress"] for n in new_networks.values()}
+        )
         # The keys went as swarm secrets: the syncer's seven, a learner's four.
         secrets = {s.name for s in client.secrets.list()}
         assert {f"{stack}_{name}" for name in ("join.secret", "signing.key")} <= secrets

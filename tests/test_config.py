@@ -482,6 +482,13 @@ def test_data_parallel_takes_learner_chaos_but_has_no_syncer_to_kill() -> None:
         LocalConfig(mode="ddp", kill_syncer_at_s=5)
 
 
+def test_local_runs_one_syncer_and_says_where_shards_run() -> None:
+    from compose.local import LocalConfig
+
+    with pytest.raises(ValueError, match=r"syncer_shards=2: `ddiloco local` runs one syncer"):
+        LocalConfig(run=RunSettings(syncer_shards=2))
+
+
 def test_newcomers_join_a_decoupled_run_only_and_one_learner_starts_at_once() -> None:
     from broker.settings import RunSettings
     from compose.local import LocalConfig
