@@ -511,7 +511,7 @@ def test_the_curve_key_rotates_while_syncer_and_learner_run(keys_dir: Path) -> N
         assert RunKeys.load(keys_dir, "learner").curve_public == new_public.encode() != old_public
         wait_until(lambda: taken(learner), 15, what="the learner's delta after the rotation")
         newcomer = ZmqLearnerTransport(
-            [learner._endpoints[0]], RUN, "learner-1", 1, 2,
+            [learner._shard_endpoints[0]], RUN, "learner-1", 1, 2,
             keys=RunKeys.load(keys_dir, "learner"),
         )  # fmt: skip
         wait_until(lambda: taken(newcomer), 15, what="a newcomer's delta")
