@@ -620,13 +620,22 @@ class ZmqLearnerTransport(LearnerTransport):
             # addresses, where nobody listens on this shard's port.
             dealer.setsockopt(zmq.IMMEDIATE, 1)
             dealer.setsockopt(zmq.SNDHWM, send_hwm)
-            dealer.setsockopt(zmq.IPV6, self._lookup_host)
+            self._for_lookup(dealer)
             self._poller.register(dealer, zmq.POLLIN)
             self._dealers.append(dealer)
             self._dialled.append(set())
             self._subs.append(self._subscribe(set()))
             self._monitors.append(self._monitor(self._subs[-1]))
         self._dial()
+
+    def _for_lookup(self, sock: zmq.Socket[bytes]) -> None:
+        """With one endpoint for several shards, a socket dials every address, and
+        nobody listens on its port at all but one: those refusals are retried
+        with backoff up to ``_REDIAL_EVERY_S`` (libzmq's default retries every
+        100 ms for ever), and the addresses may be IPv6."""
+        if self._lookup_host:
+            sock.setsockopt(zmq.IPV6, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(_REDIAL_EVERY_S * 1000))
 
     def _dial(self) -> None:
         """Connect each shard's sockets to where the shard is, and leave the
@@ -659,7 +668,7 @@ class ZmqLearnerTransport(LearnerTransport):
         sub = _socket(self._ctx, zmq.SUB, self.max_message_bytes)
         self._secure(sub)
         sub.setsockopt(zmq.SUBSCRIBE, GLOBALS_TOPIC)
-        sub.setsockopt(zmq.IPV6, self._lookup_host)
+        self._for_lookup(sub)
         for endpoint in endpoints:
             sub.connect(pub_endpoint(endpoint))
         self._poller.register(sub, zmq.POLLIN)
