@@ -36,6 +36,9 @@ Reported per run (``scale-<mode>.json``):
   logs (their summaries' ``checkpoint_bytes``) per second of the run, in MB;
 - ``redis_peak_bytes`` and ``redis_aof_mb_per_s``: the server's peak memory
   and the bytes its process wrote per second (the AOF), Redis runs only;
+  ``redis_cpu_s_per_s``, the server's CPU seconds per second of the run, and
+  ``redis_commands``, the seconds its commands took and their calls, by name
+  (INFO commandstats; the rest of its CPU is TLS, the sockets and the AOF);
 - per learner its CPU seconds per second and peak memory;
 - ``learner_overhead``: what the library adds to a real learner's memory per
   parameter, beyond model, gradients and AdamW's state
@@ -186,6 +189,21 @@ def _rss_bytes(pid: int) -> int:
 
 def _written_bytes(pid: int) -> int:
     return _proc_figure(Path(f"/proc/{pid}/io").read_text(), "write_bytes")
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _command_usec(server: Any) -> dict[str, tuple[int, int]]:
+    """Microseconds each Redis command has taken so far, and its calls, by name."""
+    stats = _redis_info(server, "commandstats")
+    return {
+        name.removeprefix("cmdstat_"): (int(s["usec"]), int(s["calls"]))
+        for name, s in stats.items()
+    }
 
 
 class Sampler(threading.Thread):
@@ -391,6 +409,8 @@ def _drive(
     sampler = Sampler(syncer_pids + ([redis_pid] if redis_pid else []))
     sampler.start()
     redis_written_before = _written_bytes(redis_pid) if redis_pid else 0
+    redis_cpu_before = _cpu_s(redis_pid) if redis_pid else 0.0
+    commands_before = _command_usec(redis_server) if redis_pid else {}
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     spec = {
@@ -426,6 +446,15 @@ def _drive(
         proc.join()
     seconds = time.monotonic() - started
     redis_written = _written_bytes(redis_pid) - redis_written_before if redis_pid else 0
+    redis_cpu = _cpu_s(redis_pid) - redis_cpu_before if redis_pid else 0.0
+    commands = _command_usec(redis_server) if redis_pid else {}
+    command_s = {
+        name: {
+            "s": round((usec - commands_before.get(name, (0, 0))[0]) / 1e6, 2),
+            "calls": calls - commands_before.get(name, (0, 0))[1],
+        }
+        for name, (usec, calls) in commands.items()
+    }
     redis_peak = int(_redis_info(redis_server, "memory")["used_memory_peak"]) if redis_pid else None
     _stop_all(syncers)
     sampler.stop_event.set()
@@ -434,6 +463,8 @@ def _drive(
         "rows": rows,
         "seconds": seconds,
         "redis_written": redis_written if redis_pid else None,
+        "redis_cpu": redis_cpu if redis_pid else None,
+        "redis_commands": {k: v for k, v in command_s.items() if v["calls"]},
         "redis_peak": redis_peak,
         "syncer_peaks": [sampler.peak[pid] for pid in syncer_pids],
         "kill": kill,
@@ -508,6 +539,8 @@ def _report(
         "redis_aof_mb_per_s": (
             None if raw["redis_written"] is None else raw["redis_written"] / seconds / 1e6
         ),
+        "redis_cpu_s_per_s": None if raw["redis_cpu"] is None else raw["redis_cpu"] / seconds,
+        "redis_commands": raw["redis_commands"] if raw["redis_cpu"] is not None else None,
         "delta_bytes_per_param": (folder / "delta-0.bin").stat().st_size / plan.fragment_numel(0),
         "seconds": seconds,
         "shard_kill": _outage(raw["kill"], round_times) if raw["kill"] else None,

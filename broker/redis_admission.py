@@ -36,7 +36,7 @@ from broker.redis_access import member_rules, member_user
 from broker.redis_common import (
     BOUNDED_XADD,
     SNAPSHOTS_UNLESS_HELD,
-    STREAM_FIRST_ID,
+    STREAM_TRIMMED_PAST,
     TAKE_BOUNDED,
     check_frame,
     grant_key,
@@ -52,7 +52,7 @@ MAX_REQUEST_BYTES = 4096  # an Enroll or a LeaseRequest frame is a few hundred b
 REQUESTS_MAXLEN = 10_000  # learners XADD requests with this (approximate) bound
 GRANT_TTL_S = 3600
 # The scripts members run: a member may not load one, so the syncer does.
-MEMBER_SCRIPTS = (BOUNDED_XADD, SNAPSHOTS_UNLESS_HELD, STREAM_FIRST_ID)
+MEMBER_SCRIPTS = (BOUNDED_XADD, SNAPSHOTS_UNLESS_HELD, STREAM_TRIMMED_PAST)
 _REQUESTS_PER_STEP = 256
 _SCRIPTS_CHECK_S = 1.0
 

@@ -29,7 +29,7 @@ from broker.keys import GlobalSigner, GlobalVerifier
 from broker.redis_common import (
     FIELD,
     SNAPSHOTS_UNLESS_HELD,
-    STREAM_FIRST_ID,
+    STREAM_TRIMMED_PAST,
     Entries,
     ReadScript,
     RedisLink,
@@ -41,7 +41,6 @@ from broker.redis_common import (
     is_transient,
     model_key,
     notices_key,
-    parse_id,
     read_block_ms,
     sleep_tail,
     to_str,
@@ -409,7 +408,7 @@ class GlobalsReader:
         self._versions = versions
         self._is_new = is_new
         self._globals = globals_stream_key(run_id)
-        self._stream_first_id = ReadScript(client, STREAM_FIRST_ID)
+        self._trimmed_past = ReadScript(client, STREAM_TRIMMED_PAST)
         self._wanted: set[int] = set()  # fragments to fetch the snapshot of (resync)
         # Read position in the globals stream; None until the first snapshot or poll.
         self._position: str | None = None
@@ -454,10 +453,9 @@ class GlobalsReader:
         if not entries:
             return self._fetch_snapshots(resync)
         # New entries arrived. Trimming drops the oldest entries first, so if the
-        # stream's first entry is now newer than our position, entries we never
-        # read may have been trimmed: fall back to the snapshot keys.
-        first_id = self._stream_first_id(keys=[self._globals], args=[])
-        if first_id is not None and parse_id(first_id) > parse_id(self._position):
+        # entry at our position is gone, entries we never read may have been
+        # trimmed: fall back to the snapshot keys.
+        if self._trimmed_past(keys=[self._globals], args=[self._position]):
             log.info(
                 "learner %s: globals stream trimmed past %s; resyncing from snapshots",
                 self._learner_id,
