@@ -447,14 +447,16 @@ def _drive(
     seconds = time.monotonic() - started
     redis_written = _written_bytes(redis_pid) - redis_written_before if redis_pid else 0
     redis_cpu = _cpu_s(redis_pid) - redis_cpu_before if redis_pid else 0.0
-    commands = _command_usec(redis_server) if redis_pid else {}
-    command_s = {
-        name: {
-            "s": round((usec - commands_before.get(name, (0, 0))[0]) / 1e6, 2),
-            "calls": calls - commands_before.get(name, (0, 0))[1],
-        }
-        for name, (usec, calls) in commands.items()
-    }
+    redis_commands = None
+    if redis_pid:
+        redis_commands = {}
+        for name, (usec, calls) in _command_usec(redis_server).items():
+            usec_before, calls_before = commands_before.get(name, (0, 0))
+            if calls > calls_before:
+                redis_commands[name] = {
+                    "s": round((usec - usec_before) / 1e6, 2),
+                    "calls": calls - calls_before,
+                }
     redis_peak = int(_redis_info(redis_server, "memory")["used_memory_peak"]) if redis_pid else None
     _stop_all(syncers)
     sampler.stop_event.set()
@@ -464,7 +466,7 @@ def _drive(
         "seconds": seconds,
         "redis_written": redis_written if redis_pid else None,
         "redis_cpu": redis_cpu if redis_pid else None,
-        "redis_commands": {k: v for k, v in command_s.items() if v["calls"]},
+        "redis_commands": redis_commands,
         "redis_peak": redis_peak,
         "syncer_peaks": [sampler.peak[pid] for pid in syncer_pids],
         "kill": kill,
@@ -540,7 +542,7 @@ def _report(
             None if raw["redis_written"] is None else raw["redis_written"] / seconds / 1e6
         ),
         "redis_cpu_s_per_s": None if raw["redis_cpu"] is None else raw["redis_cpu"] / seconds,
-        "redis_commands": raw["redis_commands"] if raw["redis_cpu"] is not None else None,
+        "redis_commands": raw["redis_commands"],
         "delta_bytes_per_param": (folder / "delta-0.bin").stat().st_size / plan.fragment_numel(0),
         "seconds": seconds,
         "shard_kill": _outage(raw["kill"], round_times) if raw["kill"] else None,

@@ -150,7 +150,8 @@ def shard_endpoint(endpoints: Sequence[str], shard: int, shards: int) -> str:
     if len(endpoints) != 1:
         raise ConfigError(
             f"the url lists {len(endpoints)} syncer endpoints for syncer_shards={shards}: "
-            "list one per shard, in shard order, or one for all (shard s at port + 2s)"
+            f"list one per shard, in shard order, or one for all (shard s at port + "
+            f"{SHARD_PORT_STRIDE}s)"
         )
     host, _, port = endpoints[0].rpartition(":")
     last = int(port) + SHARD_PORT_STRIDE * (shards - 1) + 1  # the last shard's PUB
@@ -549,7 +550,12 @@ class ZmqLearnerTransport(LearnerTransport):
         self._shard_endpoints = [
             shard_endpoint(endpoints, s, syncer_shards) for s in range(syncer_shards)
         ]
-        self._lookup_host = len(endpoints) < syncer_shards
+        # That host, or None when each shard has its own endpoint.
+        self._lookup_host = (
+            endpoints[0].removeprefix("tcp://").rpartition(":")[0].strip("[]")
+            if len(endpoints) < syncer_shards
+            else None
+        )
         self._resolve_host = resolve_host
         _check_options(
             max_message_bytes=max_message_bytes, max_unacked=max_unacked, send_hwm=send_hwm
@@ -633,7 +639,7 @@ class ZmqLearnerTransport(LearnerTransport):
         nobody listens on its port at all but one: those refusals are retried
         with backoff up to ``_REDIAL_EVERY_S`` (libzmq's default retries every
         100 ms for ever), and the addresses may be IPv6."""
-        if self._lookup_host:
+        if self._lookup_host is not None:
             sock.setsockopt(zmq.IPV6, 1)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(_REDIAL_EVERY_S * 1000))
 
@@ -643,10 +649,10 @@ class ZmqLearnerTransport(LearnerTransport):
         is its port on every address the host has now (a name that does not
         resolve for the moment keeps the last ones)."""
         self._dialled_at = time.monotonic()
-        if not self._lookup_host:
+        host = self._lookup_host
+        if host is None:
             wanted = [{e} for e in self._shard_endpoints]
         else:
-            host = self._shard_endpoints[0].removeprefix("tcp://").rpartition(":")[0].strip("[]")
             try:
                 addresses = self._resolve_host(host)
             except OSError as e:
@@ -794,7 +800,7 @@ class ZmqLearnerTransport(LearnerTransport):
         log.warning("learner %s: dialling the syncers with their rotated key", self.learner_id)
 
     def _drain(self, timeout_s: float) -> None:
-        if self._lookup_host and time.monotonic() - self._dialled_at >= _REDIAL_EVERY_S:
+        if self._lookup_host is not None and time.monotonic() - self._dialled_at >= _REDIAL_EVERY_S:
             self._dial()
         self._take_up_curve_rotation()
         self._renew_refused()
