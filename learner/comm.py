@@ -168,6 +168,12 @@ class CommThread(threading.Thread):
             log.exception("comm thread failed")
 
     def _pump(self) -> None:
+        # The heartbeat goes first: its step time bounds the deltas' step counts
+        # at the syncer, which must not meet deltas of a pace it has not heard.
+        with self._lock:
+            hb, self._heartbeat = self._heartbeat, None
+        if hb is not None:
+            self.transport.send_heartbeat(hb)
         while True:
             self._encoding = 1  # set before taking, so pending never reads 0 in between
             try:
@@ -184,10 +190,6 @@ class CommThread(threading.Thread):
             sent = self._backlog.popleft()
             with self._lock:
                 self._queued_bytes -= 4 * sent.numel
-        with self._lock:
-            hb, self._heartbeat = self._heartbeat, None
-        if hb is not None:
-            self.transport.send_heartbeat(hb)
         arrived = self.transport.poll(0.01)
         self._force_next |= self.transport.refused_fragments()
         # Whole weights in this batch (a snapshot) supersede every change up to

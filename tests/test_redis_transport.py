@@ -370,7 +370,8 @@ def test_outage_queues_deltas_and_globals_then_backpressure_then_delivers(
         learner.send_delta(make_delta("learner-0", seq, seq % 2))
     with pytest.raises(Backpressure):
         learner.send_delta(make_delta("learner-0", 8, 0))
-    learner.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0"))
+    for step in (1, 2):  # the newest is kept, to go ahead of the deltas
+        learner.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0", step=step))
     assert take_globals(learner, 0.3) == [] and learner.unacked == 8
     assert syncer.receive(0.3) == []
     syncer.publish(make_global(0, 1))  # kept until redis is back
@@ -380,8 +381,18 @@ def test_outage_queues_deltas_and_globals_then_backpressure_then_delivers(
         learner.snapshot([0], timeout_s=0.3)
 
     redis_server.start()
-    assert learner.flush(15.0)
-    assert learner.stats.resent >= 1 and learner.stats.messages_sent == 8
+    with redis_server.client().monitor() as monitor:
+        assert learner.flush(15.0)
+        # Its heartbeat's step time bounds the deltas' step counts at the
+        # syncer: it is written before the first of them.
+        written = []
+        while len([c for c in written if "delta" in c]) < 8:
+            written.append(monitor.next_command()["command"])
+    first_delta = next(i for i, c in enumerate(written) if "delta" in c)
+    assert any("heartbeat" in c for c in written[:first_delta]), written
+    assert learner.stats.resent >= 1 and learner.stats.messages_sent == 9
+    heartbeat = decode(redis_server.client().get(heartbeat_key(RUN, "learner-0")))
+    assert isinstance(heartbeat, Heartbeat) and heartbeat.step == 2
     got = receive_until(syncer, 8)  # receive() also writes the queued global
     assert sorted(seq_of(i) for i in got) == list(range(8))
     assert versions_of(poll_until(learner, 1)) == [(0, 1)]
