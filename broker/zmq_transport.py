@@ -315,12 +315,14 @@ class DeltaSender:
         max_unacked: int,
         ack_timeout_s: float,
         stats: TransportStats,
-        enroll: Callable[[int], object] = lambda owner: None,
+        introduce: Callable[[int], object] = lambda owner: None,
     ) -> None:
         self._dealers = dealers
-        # Sends the learner's enrollment to a syncer before each delta: one that
-        # restarted knows no key, and would drop the delta until the next one.
-        self._enroll = enroll
+        # Sends the learner's enrollment and newest heartbeat to a syncer before
+        # each delta: one that restarted knows no key, and would drop the delta
+        # until the next one; and the heartbeat's step time is what bounds the
+        # delta's step count there.
+        self._introduce = introduce
         self._learner_id = learner_id
         self._incarnation = incarnation
         self._max_message_bytes = max_message_bytes
@@ -343,7 +345,7 @@ class DeltaSender:
         self._try_send(pending, time.monotonic())
 
     def _try_send(self, pending: _Pending, now: float) -> None:
-        self._enroll(pending.owner)
+        self._introduce(pending.owner)
         try:
             _send(self._dealers[pending.owner], pending.parts)
         except zmq.Again:
@@ -578,6 +580,7 @@ class ZmqLearnerTransport(LearnerTransport):
         # The syncers' CURVE key list, for a rotation (`ddiloco keys rotate-curve`).
         self._curve_watch = FileWatch(keys.folder / CURVE_PUBLIC) if keys else None
         self._enroll_frame = b""
+        self._heartbeat_frame = b""  # the newest, sent again ahead of each delta
         self._last_enrolled = -math.inf
         if keys is not None and self._identity is not None:
             key = self._identity.key_hex
@@ -602,7 +605,7 @@ class ZmqLearnerTransport(LearnerTransport):
             max_unacked,
             ack_timeout_s,
             self.stats,
-            self._enroll_with,
+            self._introduce,
         )
         self._requests = SnapshotRequests(self._dealers, run_id, learner_id, self.stats)
         self._candidates = Candidates(
@@ -752,14 +755,25 @@ class ZmqLearnerTransport(LearnerTransport):
 
     def send_heartbeat(self, heartbeat: Heartbeat) -> None:
         self._enroll()
-        frame = wire.encode(heartbeat)
-        for dealer in self._dealers:
-            try:
-                dealer.send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                continue  # best effort
-            self.stats.bytes_sent += len(frame)
-            self.stats.messages_sent += 1
+        self._heartbeat_frame = wire.encode(heartbeat)
+        for owner in range(len(self._dealers)):
+            self._send_heartbeat_to(owner)
+
+    def _send_heartbeat_to(self, owner: int) -> None:
+        frame = self._heartbeat_frame
+        if not frame:
+            return
+        try:
+            self._dealers[owner].send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return  # best effort
+        self.stats.bytes_sent += len(frame)
+        self.stats.messages_sent += 1
+
+    def _introduce(self, owner: int) -> None:
+        """Before a delta to ``owner``: our enrollment and newest heartbeat."""
+        self._enroll_with(owner)
+        self._send_heartbeat_to(owner)
 
     def resync(self, fragment: int) -> None:
         if 0 <= fragment < self.num_fragments:

@@ -217,15 +217,19 @@ def test_backpressure_while_no_syncer_then_resend_after_it_starts(tmp_path: Path
             learner.send_delta(delta("l0", seq, 0))
         with pytest.raises(Backpressure):
             learner.send_delta(delta("l0", 9, 0))
+        learner.send_heartbeat(Heartbeat(run_id=RUN, learner_id="l0", step=9))
         assert learner.stats.messages_sent == 0  # IMMEDIATE: nothing queued to nobody
         syncer = ZmqSyncerTransport(bind, RUN, [0, 1, 2, 3])
         try:
             got: dict[int, int] = {}
+            arrivals: list[Delta | Heartbeat] = []
 
             def delivered() -> bool:
                 learner.poll(0.02)
                 items = syncer.receive(0.02)
                 for i in items:
+                    if isinstance(i.message, (Delta, Heartbeat)):
+                        arrivals.append(i.message)
                     if isinstance(i.message, Delta):
                         got[i.message.seq] = got.get(i.message.seq, 0) + 1
                 syncer.ack(items)
@@ -233,6 +237,9 @@ def test_backpressure_while_no_syncer_then_resend_after_it_starts(tmp_path: Path
 
             wait_until(delivered, 20, what="all deltas acknowledged")
             assert sorted(got) == list(range(1, 9))
+            # The heartbeat sent to nobody goes again ahead of the deltas: its
+            # step time is what bounds their step counts at the syncer.
+            assert isinstance(arrivals[0], Heartbeat) and arrivals[0].step == 9
         finally:
             syncer.close()
     finally:
