@@ -318,10 +318,10 @@ class DeltaSender:
         introduce: Callable[[int], object] = lambda owner: None,
     ) -> None:
         self._dealers = dealers
-        # Sends the learner's enrollment and newest heartbeat to a syncer before
-        # each delta: one that restarted knows no key, and would drop the delta
-        # until the next one; and the heartbeat's step time is what bounds the
-        # delta's step count there.
+        # Sends the learner's enrollment to a syncer before each delta (one that
+        # restarted knows no key, and would drop the delta until the next one),
+        # and its newest heartbeat where that could not be sent: the heartbeat's
+        # step time is what bounds the delta's step count there.
         self._introduce = introduce
         self._learner_id = learner_id
         self._incarnation = incarnation
@@ -580,7 +580,8 @@ class ZmqLearnerTransport(LearnerTransport):
         # The syncers' CURVE key list, for a rotation (`ddiloco keys rotate-curve`).
         self._curve_watch = FileWatch(keys.folder / CURVE_PUBLIC) if keys else None
         self._enroll_frame = b""
-        self._heartbeat_frame = b""  # the newest, sent again ahead of each delta
+        self._heartbeat_frame = b""  # the newest
+        self._heartbeat_owed: set[int] = set()  # shards it could not be sent to yet
         self._last_enrolled = -math.inf
         if keys is not None and self._identity is not None:
             key = self._identity.key_hex
@@ -766,14 +767,18 @@ class ZmqLearnerTransport(LearnerTransport):
         try:
             self._dealers[owner].send(frame, zmq.NOBLOCK)
         except zmq.Again:
-            return  # best effort
+            self._heartbeat_owed.add(owner)  # no syncer connected: sent ahead of the next delta
+            return
+        self._heartbeat_owed.discard(owner)
         self.stats.bytes_sent += len(frame)
         self.stats.messages_sent += 1
 
     def _introduce(self, owner: int) -> None:
-        """Before a delta to ``owner``: our enrollment and newest heartbeat."""
+        """Before a delta to ``owner``: our enrollment, and our newest heartbeat
+        if it could not be sent there."""
         self._enroll_with(owner)
-        self._send_heartbeat_to(owner)
+        if owner in self._heartbeat_owed:
+            self._send_heartbeat_to(owner)
 
     def resync(self, fragment: int) -> None:
         if 0 <= fragment < self.num_fragments:

@@ -270,9 +270,12 @@ class Roster:
         fastest = reported
         if step is not None:
             since = self._pace_from.get(learner)
-            if since is None or step <= since[0]:
+            if since is None or step < since[0]:
                 self._pace_from[learner] = (step, now)  # a first heartbeat, or a restart
-            elif now > since[1]:
+            elif step > since[0] and now > since[1]:
+                # (The same step again, a heartbeat read or sent twice, leaves
+                # the interval's start where it was: restarting it there would
+                # date the next step from the repeat, and make it look fast.)
                 pace = (now - since[1]) / (step - since[0])
                 fastest = pace if fastest is None else min(fastest, pace)
                 self._pace_from[learner] = (step, now)
