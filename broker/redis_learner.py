@@ -264,8 +264,8 @@ class RedisLearnerTransport(LearnerTransport):
 
         It goes ahead of every queued delta: the step time it reports is what
         bounds those deltas' step counts at the syncer. Deltas queued while this
-        learner waited for its admission, sent in a burst without it, met the
-        bare floor of steps and were refused (too_many_steps)."""
+        learner waits for its admission, sent in a burst without it, would meet
+        the bare floor of steps and be refused (too_many_steps)."""
         frame = self._unwritten_heartbeat
         if frame is None or self._link.backing_off():
             return

@@ -273,7 +273,7 @@ class Roster:
             if since is None or step < since[0]:
                 self._pace_from[learner] = (step, now)  # a first heartbeat, or a restart
             elif step > since[0] and now > since[1]:
-                # (The same step again, a heartbeat read or sent twice, leaves
+                # (The same step again, a heartbeat sent twice, leaves
                 # the interval's start where it was: restarting it there would
                 # date the next step from the repeat, and make it look fast.)
                 pace = (now - since[1]) / (step - since[0])

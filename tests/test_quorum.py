@@ -316,11 +316,11 @@ def test_a_first_step_that_waited_to_join_does_not_slow_the_pace() -> None:
 
 
 def test_a_heartbeat_heard_twice_does_not_make_a_learner_look_fast() -> None:
-    """A heartbeat of the same step comes again (Redis's key read at every
-    poll, a ZeroMQ learner's heartbeat sent again ahead of a delta). The pace
-    is still the time between steps: dating the next step from the repeat
-    credited a learner of 1 s steps with 0.1 s ones, and its step counts with
-    ten times what it could have trained."""
+    """A heartbeat of the same step comes again (a learner that sent it twice,
+    as ZeroMQ learners did ahead of each delta). The pace is still the time
+    between steps: dating the next step from the repeat credited a learner of
+    1 s steps with 0.1 s ones, and its step counts with ten times what it
+    could have trained."""
     roster = Roster(4, TIMEOUT, 0.0, members={"a"})
     for i in range(1, 11):
         roster.heard("a", now=float(i), step=i)  # no step time reported
