@@ -728,13 +728,16 @@ class ZmqLearnerTransport(LearnerTransport):
             self._last_enrolled = time.monotonic()
 
     def _enroll_with(self, owner: int) -> bool:
-        if not self._enroll_frame:
-            return True
+        return not self._enroll_frame or self._send_small(owner, self._enroll_frame)
+
+    def _send_small(self, owner: int, frame: bytes) -> bool:
+        """Send a one-part frame to shard ``owner`` without waiting; False when
+        no syncer is connected there (or its queue is full)."""
         try:
-            self._dealers[owner].send(self._enroll_frame, zmq.NOBLOCK)
+            self._dealers[owner].send(frame, zmq.NOBLOCK)
         except zmq.Again:
             return False
-        self.stats.bytes_sent += len(self._enroll_frame)
+        self.stats.bytes_sent += len(frame)
         return True
 
     @property
@@ -761,16 +764,10 @@ class ZmqLearnerTransport(LearnerTransport):
             self._send_heartbeat_to(owner)
 
     def _send_heartbeat_to(self, owner: int) -> None:
-        frame = self._heartbeat_frame
-        if not frame:
-            return
-        try:
-            self._dealers[owner].send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            self._heartbeat_owed.add(owner)  # no syncer connected: sent ahead of the next delta
+        if not self._send_small(owner, self._heartbeat_frame):
+            self._heartbeat_owed.add(owner)  # sent ahead of the next delta there
             return
         self._heartbeat_owed.discard(owner)
-        self.stats.bytes_sent += len(frame)
         self.stats.messages_sent += 1
 
     def _introduce(self, owner: int) -> None:
