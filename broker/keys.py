@@ -161,23 +161,33 @@ def make_keys(folder: str | Path, *, overwrite: bool = False) -> Path:
         raise ConfigError(f"{out} holds a run's keys already; rotate them (`ddiloco keys rotate`)")
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)
-    from broker.redis_access import acl_file  # it names keys of broker.redis_common
-
     curve_public, curve_secret = zmq.curve_keypair()
     signing = Ed25519PrivateKey.generate()
-    join_secret, redis_password = secrets.token_bytes(32), secrets.token_hex(32)
-    write_private(out / JOIN_SECRET, join_secret.hex() + "\n")
-    write_private(out / REDIS_SYNCER, redis_password + "\n")
-    # Digests only, and read by the Redis server's own user: not 0600.
-    acl = "".join(f"{line}\n" for line in acl_file(redis_password, join_secret))
-    write_private(out / REDIS_ACL, acl, mode=0o644)
+    write_private(out / JOIN_SECRET, secrets.token_bytes(32).hex() + "\n")
+    write_private(out / REDIS_SYNCER, secrets.token_hex(32) + "\n")
     write_private(out / CURVE_SECRET, curve_secret.decode() + "\n")
     write_private(out / CURVE_PUBLIC, curve_public.decode() + "\n")
     write_private(out / SIGNING_KEY, _raw_private(signing).hex() + "\n")
     write_private(out / SIGNING_PUBLIC, _raw_public(signing).hex() + "\n")
     write_private(out / REVOKED, "")
+    write_redis_acl(out)
     make_tls(out)
     return out
+
+
+def write_redis_acl(folder: str | Path) -> Path:
+    """Write ``redis.acl`` from the folder's syncer password and join secret
+    (again, for a folder made by an earlier release: its default user's rules
+    lost transactions at a Redis restart, :data:`broker.redis_access.DEFAULT_USER_RULES`)."""
+    from broker.redis_access import acl_file  # it names keys of broker.redis_common
+
+    out = Path(folder)
+    keys = RunKeys.load(out, "syncer")
+    assert keys.redis_password is not None, "a syncer's keys"
+    lines = acl_file(keys.redis_password, keys.join_secret)
+    # Digests only, and read by the Redis server's own user: not 0600.
+    write_private(out / REDIS_ACL, "".join(f"{line}\n" for line in lines), mode=0o644)
+    return out / REDIS_ACL
 
 
 def rotate_signing_key(folder: str | Path) -> str:

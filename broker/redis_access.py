@@ -1,6 +1,7 @@
 """Redis ACL users of a run (docs/security.md): who may read and write which keys.
 
-With the run's keys Redis runs with ``default`` off and these users::
+With the run's keys Redis runs with ``default`` off (see
+:data:`DEFAULT_USER_RULES`) and these users::
 
     ddiloco-syncer          every key and command (password: ``redis.syncer``,
                             syncers only)
@@ -81,12 +82,21 @@ def member_user(run_id: str, key: str) -> str:
     return f"ddiloco:{run_id}:k:{key[:32]}"
 
 
+# The default user: off and without a password, so no connection is ever it,
+# yet allowed every command. Redis 7.0 replays an append-only file's
+# transactions (MULTI/EXEC, and every script's writes, which it logs as one)
+# as the default user and drops those its rules deny (redis/redis#14541):
+# with the default user denied everything, a restart lost every delta a
+# learner's script added and every global a syncer published.
+DEFAULT_USER_RULES = "off resetpass ~* &* +@all"
+
+
 def acl_file(syncer_password: str, join_secret: bytes) -> list[str]:
     """The lines of ``redis.acl``: the users Redis starts with (members are added
     by syncers)."""
     join_rules = "resetchannels -@all +ping +auth +hello +xadd"
     return [
-        "user default off resetchannels -@all",
+        f"user default {DEFAULT_USER_RULES}",
         f"user {SYNCER_USER} on #{password_digest(syncer_password)} ~* &* +@all",
         f"user {JOIN_USER} on #{password_digest(join_password(join_secret))} "
         f"{join_rules} %W~{requests_key('*')}",

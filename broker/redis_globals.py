@@ -17,6 +17,8 @@ redis's errors: the transports (:mod:`broker.redis_syncer`,
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -60,6 +62,20 @@ _NOTHING_YET = (-1, -1)
 Versions = dict[int, tuple[int, int]]  # accepted (epoch, version) per fragment
 
 
+# How often a syncer checks that Redis still holds each fragment's snapshot keys
+# as it wrote them: a fragment that does not move is restored within this.
+SNAPSHOT_CHECK_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What a publisher wrote last of a fragment."""
+
+    version: tuple[int, int]  # (epoch, version)
+    listed: int  # changes listed since its weights were written
+    crc: int  # the version's weights checksum, as the weightless hash holds it
+
+
 @dataclass
 class _Queued:
     """A fragment's newest global not yet written, and what goes with it."""
@@ -101,10 +117,10 @@ class GlobalsPublisher:
         self._stats = stats
         self._snapshot_every = snapshot_every
         self._unpublished: dict[int, _Queued] = {}
-        # Per fragment, the (epoch, version) written last and the changes listed
-        # since its weights were. Nothing before this process wrote the weights:
-        # a restarted syncer may publish a version the list already holds.
-        self._written: dict[int, tuple[tuple[int, int], int]] = {}
+        # Per fragment, what this process wrote last. Nothing before it wrote the
+        # weights: a restarted syncer may publish a version the list already holds.
+        self._written: dict[int, _Written] = {}
+        self._checked_at = -math.inf  # when the snapshot keys were last checked
 
     def existing(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
         """(epoch, version) of the snapshot key of each of ``fragments`` that has one."""
@@ -151,16 +167,31 @@ class GlobalsPublisher:
         """Whether ``queued`` goes to the model key with its weights: when due, and
         whenever it is not a change that follows the list (a whole version or an
         announcement, the first since this process started, a change replaced in
-        the queue before Redis got it, a version never handed over)."""
-        version = queued.version
-        last, listed = self._written.get(p, ((-1, -1), self._snapshot_every))
-        follows = version.is_change and (version.epoch, version.change_from) == last
-        return not follows or listed + 1 >= self._snapshot_every
+        the queue before Redis got it, a version never handed over, a list that
+        Redis lost)."""
+        version, written = queued.version, self._written.get(p)
+        if written is None or not version.is_change:
+            return True
+        follows = (version.epoch, version.change_from) == written.version
+        return not follows or written.listed + 1 >= self._snapshot_every
 
     def publish_queued(self) -> None:
-        """Write what is queued; raises redis's errors (and keeps it queued)."""
-        if not self._unpublished:
-            return
+        """Write what is queued; raises redis's errors (and keeps it queued).
+
+        A change goes to the changes list in the same transaction that reads
+        what the fragment's keys held before it: where that is not what this
+        process wrote last (Redis restarted and lost it, or failed over to a
+        replica that never had it), the list no longer follows the weights,
+        and the version is written again at once, whole."""
+        for _ in range(2):  # the second pass writes weights only
+            if not self._unpublished:
+                return
+            for p in self._write_queued():
+                self._written.pop(p)  # its next write is whole
+
+    def _write_queued(self) -> list[int]:
+        """One transaction of what is queued; the fragments whose change went to a
+        list Redis did not hold as written (left queued)."""
         pipe = self._link.client.pipeline(transaction=True)
         written: dict[int, bool] = {}  # per fragment: whether its weights went to the model key
         sent = 0
@@ -173,6 +204,9 @@ class GlobalsPublisher:
                 pipe.delete(changes_key(self._run_id, p))
                 sent += len(whole)
             else:
+                # What the list follows, as Redis holds it now (checked below).
+                pipe.exists(model_key(self._run_id, p))
+                pipe.hget(weightless_key(self._run_id, p), "crc")
                 pipe.rpush(changes_key(self._run_id, p), frame)
                 sent += len(frame)
             weightless = self._encoded(version.without_weights())
@@ -187,14 +221,64 @@ class GlobalsPublisher:
                 approximate=False,
             )
             sent += len(frame) + len(weightless)
-        pipe.execute()
+        replies = iter(pipe.execute())
+        lost: list[int] = []
+        for p, weights in written.items():
+            if weights:
+                next(replies), next(replies)  # SET, DEL
+            else:
+                model_kept, crc = next(replies), next(replies)
+                next(replies)  # RPUSH
+                if not model_kept or crc is None or int(crc) != self._written[p].crc:
+                    lost.append(p)
+            next(replies), next(replies)  # HSET, XADD
         for p, weights in written.items():
             version = self._unpublished[p].version
-            listed = 0 if weights else self._written[p][1] + 1
-            self._written[p] = ((version.epoch, version.version), listed)
+            listed = 0 if weights else self._written[p].listed + 1
+            self._written[p] = _Written(
+                (version.epoch, version.version), listed, version.weights_crc
+            )
+            if p not in lost:
+                del self._unpublished[p]
+        if lost:
+            self._stats.snapshots_lost += len(lost)
+            log.warning(
+                "syncer %s: redis no longer held the snapshot keys of fragment(s) %s as "
+                "written (a restart or failover lost them): writing them again, whole",
+                self._consumer, lost,
+            )  # fmt: skip
         self._stats.bytes_sent += sent
         self._stats.messages_sent += len(written)
-        self._unpublished.clear()
+        return lost
+
+    def lost(self) -> list[int]:
+        """Fragments whose snapshot keys Redis no longer holds as this process
+        wrote them last (a restart or failover lost them), checked at most every
+        :data:`SNAPSHOT_CHECK_INTERVAL_S`: their next publish must be whole.
+        Raises redis's errors."""
+        now = time.monotonic()
+        if now < self._checked_at + SNAPSHOT_CHECK_INTERVAL_S or not self._written:
+            return []
+        self._checked_at = now
+        checked = [p for p in self._written if p not in self._unpublished]
+        pipe = self._link.client.pipeline(transaction=True)
+        for p in checked:
+            pipe.exists(model_key(self._run_id, p))
+            pipe.hget(weightless_key(self._run_id, p), "crc")
+        replies = pipe.execute()
+        lost = []
+        for p, model_kept, crc in zip(checked, replies[::2], replies[1::2], strict=True):
+            if not model_kept or crc is None or int(crc) != self._written[p].crc:
+                lost.append(p)
+                del self._written[p]
+        if lost:
+            self._stats.snapshots_lost += len(lost)
+            log.warning(
+                "syncer %s: redis no longer holds the snapshot keys of fragment(s) %s (a "
+                "restart or failover lost them): publishing them again, whole",
+                self._consumer, lost,
+            )  # fmt: skip
+        return lost
 
     def close(self) -> None:
         """Write what is queued if redis answers; say what is lost if not."""

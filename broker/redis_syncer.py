@@ -66,17 +66,25 @@ MAX_HEARTBEAT_BYTES = 4096
 MAX_SNAPSHOT_EVERY = 64
 
 
-def warn_without_aof(client: redis.Redis, consumer: str) -> None:
+def warn_unless_durable(client: redis.Redis, consumer: str) -> None:
     """Acknowledged deltas are only as durable as Redis: without an append-only
-    file a Redis restart loses them. Said once, loudly, at start."""
+    file a Redis restart loses them, and so does a default user that may not
+    write (Redis 7.0 replays the file's transactions as that user and drops
+    what it may not run: :data:`broker.redis_access.DEFAULT_USER_RULES`).
+    Said once, loudly, at start."""
     try:
         # redis-py decodes CONFIG GET replies to text whatever decode_responses says.
         config = {
             to_str(k): to_str(v)
             for k, v in cast(dict[Any, Any], client.config_get("appendonly")).items()
         }
-    except Exception as e:  # CONFIG may be renamed or denied by an ACL: no verdict
-        log.debug("syncer %s: cannot read redis's appendonly setting: %s", consumer, e)
+        replayed = to_str(
+            client.execute_command("ACL", "DRYRUN", "default", "XADD", "k", "*", "f", "v")
+        )
+    except redis.RedisError as e:  # CONFIG or ACL renamed or denied, or not up: no verdict
+        log.warning(
+            "syncer %s: cannot tell whether redis keeps what it acknowledges: %s", consumer, e
+        )
         return
     if config.get("appendonly", "yes") != "yes":
         log.warning(
@@ -84,6 +92,14 @@ def warn_without_aof(client: redis.Redis, consumer: str) -> None:
             "acknowledged deltas; run it with --appendonly yes --appendfsync always",
             consumer,
         )
+    elif replayed != "OK":
+        log.error(
+            "syncer %s: redis's default user may not write (%s): at a restart redis drops "
+            "every transaction and script of its append-only file, and with them acknowledged "
+            "deltas and published globals; write its users again (`ddiloco keys acl`) and "
+            "restart redis with --aclfile KEYS/redis.acl",
+            consumer, replayed,
+        )  # fmt: skip
 
 
 REDIS_DEFAULT_BULK_BYTES = 512 * 2**20  # redis's proto-max-bulk-len unless configured
@@ -189,7 +205,7 @@ class RedisSyncerTransport(SyncerTransport):
         client = connect(url, socket_timeout_s, keys, user)
         if user is not None:
             _check_syncer_user(client, url)
-        warn_without_aof(client, consumer)
+        warn_unless_durable(client, consumer)
         check_value_limit(client, max_message_bytes)
         self._deltas = DeltaReader(
             client,
@@ -308,6 +324,13 @@ class RedisSyncerTransport(SyncerTransport):
     # -- publishing --------------------------------------------------------------
     def existing_globals(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
         return self._publisher.existing(fragments)
+
+    def lost_snapshots(self) -> list[int]:
+        """Checked at most every second (:meth:`GlobalsPublisher.lost`); none
+        while redis is away."""
+        lost: list[int] = []
+        self._link.attempt(lambda: lost.extend(self._publisher.lost()))
+        return lost
 
     def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
         """Write the snapshot key and append to the globals stream, atomically.

@@ -91,6 +91,9 @@ class TransportStats:
     # Requests a broker refused for want of memory (Redis at maxmemory, nothing
     # evicted): backed off and tried again, nothing dropped.
     out_of_memory: int = 0
+    # Snapshots a broker that stores them (Redis) no longer held as written (a
+    # restart or failover lost them): written again, whole.
+    snapshots_lost: int = 0
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,13 @@ class SyncerTransport(abc.ABC):
         """(epoch, version) of the latest global of each of ``fragments`` that a
         syncer of this run published before, where the broker keeps globals
         (Redis does; ZeroMQ keeps none and answers {})."""
+
+    def lost_snapshots(self) -> list[int]:
+        """Owned fragments whose snapshot the broker no longer holds as published
+        (a Redis restart or failover lost it): the caller announces each again
+        (:meth:`announce`), which writes it whole. A broker that stores no
+        snapshots (ZeroMQ) loses none."""
+        return []
 
     @abc.abstractmethod
     def refuse(self, item: Inbound, reason: str) -> None:

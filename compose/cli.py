@@ -60,13 +60,14 @@ THROTTLE_ACTIONS = {
 }
 
 
-KEY_ACTIONS = ("make", "revoke", "rotate", "rotate-curve", "rotate-tls")
+KEY_ACTIONS = ("make", "revoke", "rotate", "rotate-curve", "rotate-tls", "acl")
 
 
 def run_keys(action: str, folder: str, learner_id: str | None, force: bool) -> int:
     """``ddiloco keys``: make a run's key folder, revoke a learner (syncers shut
     it out within a second, no restart), rotate the signing key or the syncers'
-    CURVE key, or issue the Redis server a new TLS certificate."""
+    CURVE key, issue the Redis server a new TLS certificate, or write its
+    ``redis.acl`` again."""
     from broker import keys, tls
 
     if action == "make":
@@ -87,6 +88,9 @@ def run_keys(action: str, folder: str, learner_id: str | None, force: bool) -> i
     elif action == "rotate-curve":
         public = keys.rotate_curve_key(folder)
         print(f"new CURVE key {public[:10]}...: learners dial it, syncers bind again with it")
+    elif action == "acl":
+        path = keys.write_redis_acl(folder)
+        print(f"{path} written again; restart Redis with --aclfile {path} to load it")
     else:
         hosts = tls.issue_redis_cert(Path(folder))
         print(
@@ -116,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         keys.add_argument(
             "action", nargs="?", default="make", choices=KEY_ACTIONS,
             help="make the keys; revoke LEARNER_ID; rotate the signing key; rotate-curve the "
-            "syncers' CURVE key; rotate-tls the Redis server's certificate",
+            "syncers' CURVE key; rotate-tls the Redis server's certificate; acl: write "
+            "redis.acl again (a folder made by an earlier release)",
         )  # fmt: skip
         keys.add_argument("learner_id", nargs="?", help="revoke: the learner to shut out")
         keys.add_argument("--keys", default=RunSettings.keys, help="the run's key folder")

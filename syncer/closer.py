@@ -153,6 +153,13 @@ class RoundCloser:
             if now - self._published_at.get(p, now) >= period_s and not state.pending_learners:
                 self.publish(p, announce=True)
 
+    def republish_lost(self) -> None:
+        """Publish again, whole, each fragment whose snapshot the broker lost (a
+        Redis restart or failover): learners that missed a version fetch it,
+        and a round waiting on them would otherwise wait for ever."""
+        for p in self.transport.lost_snapshots():
+            self.publish(p, announce=True)
+
     def publish(self, p: int, announce: bool = False) -> None:
         """Publish fragment p's version; ``announce``: without its weights (learners
         that hold it, nearly all, need nothing; the others fetch the snapshot)."""

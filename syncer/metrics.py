@@ -155,6 +155,7 @@ class SyncerMetrics:
             "transport_refused_by_reason": dict(stats.rejected),
             "duplicates": self.duplicates,
             "snapshot_requests_rate_limited": stats.rate_limited,
+            "snapshots_lost": stats.snapshots_lost,
             "deltas_clipped": self.deltas_clipped,
             "weights_clipped": self.weights_clipped,
             "heartbeats_ignored": self.heartbeats_ignored,

@@ -320,6 +320,7 @@ class Syncer:
             raise TransportError(f"syncer shard {self.shard}'s lease was lost: stopping")
         now = self.clock()
         self.closer.republish_idle(now, self.cfg.run.heartbeat_timeout_s)
+        self.closer.republish_lost()
         step_s = self.roster.median_step_s()
         quorum = self.membership.quorum()
         deadlines = [

@@ -6,6 +6,7 @@ or an enrolled learner tries, and what Redis answers."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from broker.redis_access import (
     password_digest,
 )
 from broker.redis_common import (
+    check_entry,
     delta_stream_key,
     globals_stream_key,
     grant_key,
@@ -36,8 +38,8 @@ from broker.redis_common import (
 from broker.redis_learner import RedisLearnerTransport
 from broker.redis_syncer import RedisSyncerTransport
 from broker.tls import REDIS_CERT, REDIS_KEY, TLS_CA, issue_redis_cert, redis_cert_hosts
-from broker.transport import TransportError
-from broker.wire import Delta, Heartbeat
+from broker.transport import TransportError, TransportStats
+from broker.wire import Delta, Heartbeat, decode
 from tests.servers import RedisServer, take_globals, wait_until
 from tests.test_redis_transport import RUN, make_delta, make_global
 
@@ -120,6 +122,51 @@ def test_deltas_and_signed_globals_over_tls_with_the_runs_ca(
     finally:
         learner.close()
         syncer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_redis_restart_keeps_every_delta_and_global_it_acknowledged(
+    tls_server: RedisServer, keys_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis as compose and the docs start it (the run's redis.acl, TLS, AOF
+    with appendfsync always), SIGKILLed and restarted: the learner's deltas (a
+    script's XADD) and the syncer's globals (a transaction) are all still
+    there. Redis 7.0 replays both as the default user and drops what that user
+    may not run: with the default user denied everything, both were gone."""
+    url = tls_server.url
+    syncer_keys = RunKeys.load(keys_dir, "syncer")
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=syncer_keys)
+    learner = RedisLearnerTransport(
+        url, RUN, "learner-0", 1, num_fragments=1, keys=RunKeys.load(keys_dir, "learner")
+    )
+    deltas = [make_delta("learner-0", seq, 0) for seq in range(1, 4)]
+    try:
+        exchange(syncer, [learner], deltas[:1])  # admitted
+        for d in deltas[1:]:
+            learner.send_delta(d)
+        assert learner.flush(10)  # acknowledged: in Redis's file
+        syncer.publish(make_global(0, 1))
+        syncer.receive(0.05)
+    finally:
+        learner.close()
+        syncer.close()
+    tls_server.kill()
+    tls_server.start()
+    log = (tls_server.workdir / "redis.log").read_text()
+    assert "NOPERM" not in log
+    admin = tls_server.client()
+    # The syncer took the first in and acked it (then trimmed it): the others wait.
+    entries = admin.xrange(delta_stream_key(RUN, 0, "learner-0"))
+    unread = [check_entry(fields, 2**20, TransportStats()) for _, fields in entries]
+    assert unread == deltas[1:]
+    assert decode(admin.get(model_key(RUN, 0))).version == 1
+    assert len(admin.xrange(globals_stream_key(RUN))) == 1
+    admin.close()
+    # A Redis still holding the users of an earlier release's redis.acl: said at start.
+    tls_server.client().execute_command("ACL", "SETUSER", "default", "resetchannels", "-@all")
+    with caplog.at_level(logging.ERROR, logger="broker.redis_syncer"):
+        RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=syncer_keys).close()
+    assert any("ddiloco keys acl" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.timeout(60)

@@ -40,6 +40,7 @@ from broker.redis_common import (
     heartbeat_key,
     model_key,
     roster_key,
+    weightless_key,
 )
 from broker.redis_learner import RedisLearnerTransport
 from broker.redis_syncer import RedisSyncerTransport
@@ -1044,6 +1045,49 @@ def test_a_changes_list_that_does_not_follow_its_weights_is_refused(
     # The next weights written repair it.
     syncer.announce(chain.whole())
     assert torch.equal(joiner.snapshot([0], timeout_s=5)[0].tensor(), chain.weights)
+    for t in (joiner, syncer):
+        t.close()
+
+
+@pytest.mark.timeout(60)
+def test_snapshot_keys_that_redis_lost_are_written_again_whole(
+    redis_server: RedisServer,
+) -> None:
+    """A Redis restart that loses the tail of its file, or a failover to a
+    replica that never got it, leaves a fragment's keys older than the syncer
+    wrote them, or gone. A change listed after them would not follow (no joiner
+    could read the fragment, the round would wait for ever on learners stuck on
+    it): the syncer writes the version whole at once, whether the fragment
+    moves or not."""
+    url = redis_server.url
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], snapshot_every=8)
+    server = redis_server.client()
+    keys = [model_key(RUN, 0), changes_key(RUN, 0), weightless_key(RUN, 0)]
+    chain = ChangeChain(0)
+    syncer.publish(chain.whole())
+    syncer.publish(*chain.next())
+    older = {key: server.dump(key) for key in keys}  # as of version 1
+    for _ in range(2):
+        syncer.publish(*chain.next())
+    joiner = RedisLearnerTransport(url, RUN, "joiner", 0, num_fragments=1)
+
+    def joiner_gets_the_latest() -> bool:
+        got = joiner.snapshot([0], timeout_s=5).get(0)
+        return got is not None and torch.equal(got.tensor(), chain.weights)
+
+    # The keys go back to version 1 (the syncer wrote 3), then a round moves it.
+    for key, dumped in older.items():
+        server.restore(key, 0, dumped, replace=True)
+    syncer.publish(*chain.next())
+    assert joiner_gets_the_latest()
+    assert server.llen(changes_key(RUN, 0)) == 0  # written whole
+    assert syncer.stats.snapshots_lost == 1
+    # Gone, with the fragment idle: found within a second, and announced whole.
+    server.delete(*keys)
+    assert wait_until(syncer.lost_snapshots, 5, interval_s=0.1, what="the loss seen") == [0]
+    syncer.announce(chain.whole())
+    assert joiner_gets_the_latest()
+    assert syncer.lost_snapshots() == [] and syncer.stats.snapshots_lost == 2
     for t in (joiner, syncer):
         t.close()
 
