@@ -14,7 +14,7 @@ from broker.settings import RunSettings
 AGGREGATIONS = ("mean", "radial", "trimmed_mean", "coordinate_median")
 QUARANTINE_ACTIONS = ("clip", "refuse")
 # The boundaries of the delta pipeline (receive -> merge -> checkpoint -> publish
-# -> ack) where a fault test can kill the syncer (SyncerConfig.crash_at).
+# -> ack) where a fault test can kill or pause the syncer (SyncerConfig.crash_at, pause_at).
 AUTO_SHARD = "auto"  # syncer_shard: the lowest free index (see SyncerConfig)
 CRASH_POINTS = ("after_receive", "after_update", "after_checkpoint", "before_ack")
 
@@ -80,6 +80,9 @@ class SyncerConfig:
     # globals of refuses to start: it would throw the run's progress away.
     new_epoch: bool = False  # start over from the initial model though the broker has globals
     crash_at: str = ""  # fault tests: SIGKILL this process the first time it reaches this point
+    # Fault tests: SIGSTOP this process the first time it reaches this point (the
+    # test acts on the world, say kills Redis, then SIGCONTs it).
+    pause_at: str = ""
 
     def __post_init__(self) -> None:
         check_id("syncer_id", self.syncer_id)
@@ -87,6 +90,8 @@ class SyncerConfig:
         check_int("full_checkpoint_every", self.full_checkpoint_every)
         if self.crash_at:
             check_choice("crash_at", self.crash_at, CRASH_POINTS)
+        if self.pause_at:
+            check_choice("pause_at", self.pause_at, CRASH_POINTS)
         shards = self.run.syncer_shards
         require(
             self.syncer_shard == AUTO_SHARD

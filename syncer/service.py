@@ -125,6 +125,7 @@ class Syncer:
         self.cfg = cfg
         self.clock = clock  # times rounds
         self.wall_clock = wall_clock  # dates versions: step bounds hold across restarts
+        self._pause_at = cfg.pause_at  # cleared once reached
         run = cfg.run
         initial = read_initial_model(Path(run.initial_model))
         self.plan = initial.plan
@@ -289,9 +290,13 @@ class Syncer:
             )
 
     def _crash_point(self, point: str) -> None:
-        """Fault tests: die here as a power cut would, with no cleanup at all."""
+        """Fault tests: die here as a power cut would, with no cleanup at all; or
+        stop here, once, until continued."""
         if self.cfg.crash_at == point:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._pause_at == point:
+            self._pause_at = ""
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     # -- what tests and tools read ---------------------------------------
     @property

@@ -29,6 +29,7 @@ import torch
 from broker import redis_deltas
 from broker.codecs import Codec, apply_change
 from broker.errors import ConfigError
+from broker.keys import RunKeys
 from broker.redis_common import (
     FIELD,
     GROUP,
@@ -55,7 +56,7 @@ from broker.wire import (
     encode_parts,
     weights_checksum,
 )
-from tests.servers import RedisServer, take_globals, wait_until
+from tests.servers import RedisServer, run_keys, take_globals, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -122,11 +123,15 @@ def run_learners(
     counts: dict[str, int],
     num_fragments: int,
     pace_s: float = 0.0,
+    keys: Path | None = None,
 ) -> tuple[ThreadPoolExecutor, list]:
     """One thread and one transport per learner; delta seq s goes to fragment s % P."""
     pool = ThreadPoolExecutor(len(counts))
+    learner_keys = RunKeys.load(keys, "learner") if keys else None
     transports = {
-        name: RedisLearnerTransport(url, RUN, name, 0, num_fragments, max_unacked=16)
+        name: RedisLearnerTransport(
+            url, RUN, name, 0, num_fragments, max_unacked=16, keys=learner_keys
+        )
         for name in counts
     }
 
@@ -168,7 +173,9 @@ def pending_total(client: redis.Redis, fragments: range) -> int:
 class ConsumerProcess:
     """``python -m tests.transport_consumer`` as a real process that can be SIGKILLed."""
 
-    def __init__(self, url: str, db: Path, log: Path, syncer_id: str = "syncer-0") -> None:
+    def __init__(
+        self, url: str, db: Path, log: Path, syncer_id: str = "syncer-0", keys: Path | None = None
+    ) -> None:
         self.args = [
             sys.executable,
             "-m",
@@ -183,6 +190,7 @@ class ConsumerProcess:
             RUN,
             "--syncer-id",
             syncer_id,
+            *(["--keys", str(keys)] if keys else []),
         ]
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
@@ -214,9 +222,11 @@ class ConsumerProcess:
 
 
 @contextmanager
-def consumer_process(url: str, tmp_path: Path) -> Iterator[tuple[ConsumerProcess, Path]]:
+def consumer_process(
+    url: str, tmp_path: Path, keys: Path | None = None
+) -> Iterator[tuple[ConsumerProcess, Path]]:
     db = tmp_path / "applied.sqlite"
-    consumer = ConsumerProcess(url, db, tmp_path / "consumer.log")
+    consumer = ConsumerProcess(url, db, tmp_path / "consumer.log", keys=keys)
     consumer.start()
     try:
         yield consumer, db
@@ -329,32 +339,42 @@ def test_consumer_sigkilled_twice_mid_stream_applies_every_delta_once(
 
 # -- 3. redis-server killed mid-stream ------------------------------------------------
 @pytest.mark.timeout(120)
-def test_redis_sigkilled_mid_stream_loses_nothing_acknowledged(
-    redis_server: RedisServer,
-    tmp_path: Path,
-) -> None:
+def test_redis_sigkilled_mid_stream_loses_nothing_acknowledged(tmp_path: Path) -> None:
+    """Redis as compose and the docs start it (the run's redis.acl, TLS, AOF with
+    appendfsync always): its append-only file replays the learners' deltas,
+    each written by a script, after a SIGKILL."""
+    keys = Path(run_keys())
+    server = RedisServer(tmp_path / "redis", keys=keys, tls=True)
+    server.start()
     total = 2000
     counts = {"learner-0": total // 2, "learner-1": total // 2}
-    with consumer_process(redis_server.url, tmp_path) as (_, db):
-        client = redis.Redis.from_url(redis_server.url)
-        pool, futures = run_learners(redis_server.url, counts, num_fragments=4, pace_s=0.002)
-        with pool:
-            wait_until(
-                lambda: applied(db)[0] >= total // 4, 60, interval_s=0.01, what="a quarter applied"
+    try:
+        with consumer_process(server.url, tmp_path, keys) as (_, db):
+            client = server.client()
+            pool, futures = run_learners(
+                server.url, counts, num_fragments=4, pace_s=0.002, keys=keys
             )
-            assert not all(f.done() for f in futures), "learners finished before the kill"
-            redis_server.kill()  # SIGKILL: only what the AOF holds survives
-            redis_server.start()  # same port and folder
-            learners = [f.result(timeout=90) for f in futures]
-        # Every XADD the learners saw acknowledged left their queues; flush() above
-        # returned True, so all `total` were acknowledged at some point.
-        assert sum(t.stats.messages_sent for t in learners) == total
-        assert sum(t.connection_errors for t in learners) > 0, "learners never saw the outage"
-        wait_until(lambda: applied(db)[0] >= total, 60, interval_s=0.1, what="all applied")
-        wait_until(lambda: pending_total(client, range(4)) == 0, 15, what="all acked")
-    assert applied(db) == (total, total)
-    for t in learners:
-        t.close()
+            with pool:
+                wait_until(
+                    lambda: applied(db)[0] >= total // 4, 60, interval_s=0.01,
+                    what="a quarter applied",
+                )  # fmt: skip
+                assert not all(f.done() for f in futures), "learners finished before the kill"
+                server.kill()  # SIGKILL: only what the AOF holds survives
+                server.start()  # same port, folder and flags
+                learners = [f.result(timeout=90) for f in futures]
+            # Every XADD the learners saw acknowledged left their queues; flush()
+            # above returned True, so all `total` were acknowledged at some point.
+            assert sum(t.stats.messages_sent for t in learners) == total
+            assert sum(t.connection_errors for t in learners) > 0, "learners never saw the outage"
+            wait_until(lambda: applied(db)[0] >= total, 60, interval_s=0.1, what="all applied")
+            wait_until(lambda: pending_total(client, range(4)) == 0, 15, what="all acked")
+        assert applied(db) == (total, total)
+        assert "NOPERM" not in (server.workdir / "redis.log").read_text()
+        for t in learners:
+            t.close()
+    finally:
+        server.stop()
 
 
 @pytest.mark.timeout(60)

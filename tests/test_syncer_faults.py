@@ -143,7 +143,8 @@ def broker_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         # Resend after half a second: the restarted syncer gets the unacked deltas soon.
         yield f"zmq://127.0.0.1:{free_port_pair()}?ack_timeout_s=0.5"
         return
-    server = RedisServer(tmp_path / "redis")  # AOF, appendfsync always
+    # As compose starts it: the run's users, TLS, AOF with appendfsync always.
+    server = RedisServer(tmp_path / "redis", keys=Path(run_keys()), tls=True)
     server.start()
     try:
         yield server.url
@@ -195,98 +196,89 @@ def ready_lines(syncer: SyncerProcess) -> int:
     return (syncer.tmp_path / "syncer.log").read_text().count("ready\n")
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("crash_at", CRASH_POINTS)
-def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_twice(
-    tmp_path: Path, broker_url: str, crash_at: str
-) -> None:
-    write_initial_model(tmp_path)
-    syncer = SyncerProcess(tmp_path, broker_url)
-    syncer.start("--crash-at", crash_at)
-    learners: dict[str, LearnerTransport] = {
-        name: connect_learner(
-            broker_url,
-            run_id="faults",
-            learner_id=name,
-            incarnation=1,
-            num_fragments=FRAGMENTS,
-            keys=RunKeys.load(run_keys(), "learner"),
-        )  # fmt: skip
-        for name in SHIFTS
-    }
-    latest: dict[int, GlobalFragment] = {}
-    seqs = dict.fromkeys(SHIFTS, 0)
-    fragment_of: dict[tuple[str, int, int], int] = {}  # every delta sent
-    last_base: dict[tuple[str, int], int] = {}  # (learner, fragment): version of its last delta
-    restarts = 0
+class TwoLearners:
+    """The two learners the pipeline fault tests play, with real transports:
+    each sends a delta of each fragment whenever that fragment has moved since
+    its last one, ROUNDS deltas of each in all."""
 
-    def keep_going() -> None:
-        """One turn of the learners' loop; restart the syncer once it was killed."""
-        nonlocal restarts
-        code = syncer.returncode()
-        if code is not None:
-            assert code == -signal.SIGKILL and restarts == 0, f"syncer exited with {code}"
-            restarts += 1
-            syncer.start()  # the same folder, without --crash-at
-        for name, transport in learners.items():
+    def __init__(self, url: str, syncer: SyncerProcess) -> None:
+        self.syncer = syncer
+        self.transports: dict[str, LearnerTransport] = {
+            name: connect_learner(
+                url,
+                run_id="faults",
+                learner_id=name,
+                incarnation=1,
+                num_fragments=FRAGMENTS,
+                keys=RunKeys.load(run_keys(), "learner"),
+            )  # fmt: skip
+            for name in SHIFTS
+        }
+        self.latest: dict[int, GlobalFragment] = {}
+        self.seqs = dict.fromkeys(SHIFTS, 0)
+        self.fragment_of: dict[tuple[str, int, int], int] = {}  # every delta sent
+        self.last_base: dict[tuple[str, int], int] = {}  # (learner, fragment): its last base
+
+    def turn(self) -> None:
+        """One turn of the learners' loop."""
+        for name, transport in self.transports.items():
             # As real learners do: a restarted syncer counts a learner as live
             # only once heard from, and closes a round without the silent ones.
             transport.send_heartbeat(
                 Heartbeat(run_id="faults", learner_id=name, incarnation=1, step_time_s=0.05)
             )
             for g in transport.poll(0.05):  # also resends what is unacked
-                if g.fragment not in latest or g.version > latest[g.fragment].version:
-                    latest[g.fragment] = g
-            for p, g in latest.items():
-                sent = sum(1 for key, q in fragment_of.items() if key[0] == name and q == p)
-                if sent < ROUNDS and last_base.get((name, p), -1) < g.version:
-                    seqs[name] += 1
-                    transport.send_delta(delta_on(g, name, seqs[name]))
-                    fragment_of[(name, 1, seqs[name])] = p
-                    last_base[(name, p)] = g.version
+                if g.fragment not in self.latest or g.version > self.latest[g.fragment].version:
+                    self.latest[g.fragment] = g
+            for p, g in self.latest.items():
+                sent = sum(1 for key, q in self.fragment_of.items() if key[0] == name and q == p)
+                if sent < ROUNDS and self.last_base.get((name, p), -1) < g.version:
+                    self.seqs[name] += 1
+                    transport.send_delta(delta_on(g, name, self.seqs[name]))
+                    self.fragment_of[(name, 1, self.seqs[name])] = p
+                    self.last_base[(name, p)] = g.version
 
-    def applied_in_checkpoint() -> bool:
+    def applied_in_checkpoint(self) -> bool:
         """Every delta sent is recorded as applied by the checkpoint of its fragment."""
-        saved = [durable_state(syncer.checkpoint_dir, p) for p in range(FRAGMENTS)]
+        saved = [durable_state(self.syncer.checkpoint_dir, p) for p in range(FRAGMENTS)]
         applied = [s[1]["applied"] if s else {} for s in saved]
         return all(
             (inc, seq) <= tuple(applied[p].get(learner, (0, 0)))
-            for (learner, inc, seq), p in fragment_of.items()
+            for (learner, inc, seq), p in self.fragment_of.items()
         )
 
-    def all_sent_and_acked() -> bool:
-        keep_going()
-        if len(fragment_of) < len(SHIFTS) * FRAGMENTS * ROUNDS or ready_lines(syncer) < 2:
+    def all_sent_and_acked(self) -> bool:
+        if len(self.fragment_of) < len(SHIFTS) * FRAGMENTS * ROUNDS:
             return False
         # The learners are done: merge what waits for a quorum that cannot come.
         # (Redis acks a learner's delta when it is in the stream, not merged.)
-        assert syncer.proc is not None
-        syncer.proc.send_signal(signal.SIGUSR1)
-        return all(t.unacked == 0 for t in learners.values()) and applied_in_checkpoint()
+        assert self.syncer.proc is not None
+        self.syncer.proc.send_signal(signal.SIGUSR1)
+        return all(t.unacked == 0 for t in self.transports.values()) and (
+            self.applied_in_checkpoint()
+        )
 
-    try:
-        wait_until(all_sent_and_acked, 90, interval_s=0.3, what="every delta sent and acked")
+    def hold_the_checkpoint(self) -> bool:
+        """Each fragment's latest global is its checkpoint's version: none frozen."""
+        saved = [durable_state(self.syncer.checkpoint_dir, p) for p in range(FRAGMENTS)]
+        return all(s and s[1]["version"] == self.latest[p].version for p, s in enumerate(saved))
 
-        def learners_hold_the_checkpoint() -> bool:
-            keep_going()
-            saved = [durable_state(syncer.checkpoint_dir, p) for p in range(FRAGMENTS)]
-            return all(s and s[1]["version"] == latest[p].version for p, s in enumerate(saved))
-
-        wait_until(learners_hold_the_checkpoint, 10, what="the learners to get the last globals")
-    finally:
-        for transport in learners.values():
+    def close(self) -> None:
+        for transport in self.transports.values():
             transport.close()
-        syncer.stop()
 
-    assert restarts == 1, f"the syncer never reached {crash_at}"
-    assert applied_in_checkpoint()  # nothing acknowledged lost
+
+def check_applied_once(learners: TwoLearners, unlogged: int) -> None:
+    """Nothing acknowledged lost, nothing merged twice, every version published
+    once, and the learners' last globals are the checkpoint's weights; ``unlogged``:
+    rounds durable but never logged (a kill between checkpoint and log)."""
+    syncer, fragment_of = learners.syncer, learners.fragment_of
+    assert learners.applied_in_checkpoint()  # nothing acknowledged lost
     events = syncer.events()
     assert not [e for e in events if e["event"] == "reject"], "acknowledged, then refused"
     keys = applied_keys(events)
     assert max(keys.values()) == 1, "a delta merged twice"
     assert set(keys) <= set(fragment_of)
-    # Killed after its checkpoint, one round is durable but never logged.
-    unlogged = 1 if crash_at in ("after_checkpoint", "before_ack") else 0
     missing = set(fragment_of) - set(keys)
     for p in range(FRAGMENTS):
         saved = durable_state(syncer.checkpoint_dir, p)
@@ -296,13 +288,118 @@ def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_
         assert len(logged) == len(set(logged)), "a version published twice"
         # Each round adds one version: a round merged again would add one more.
         unlogged -= meta["version"] - len(logged)
-        assert latest[p].version == meta["version"]
+        assert learners.latest[p].version == meta["version"]
         # The learners' last global makes exactly the checkpoint's version (a
         # change names the checksum of the weights it makes).
-        assert latest[p].weights_crc == weights_checksum(weights)
+        assert learners.latest[p].weights_crc == weights_checksum(weights)
     assert unlogged == 0
     # The unlogged round's deltas are all of one fragment, applied (checked above).
     assert len({fragment_of[key] for key in missing}) <= 1
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("crash_at", CRASH_POINTS)
+def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_twice(
+    tmp_path: Path, broker_url: str, crash_at: str
+) -> None:
+    write_initial_model(tmp_path)
+    syncer = SyncerProcess(tmp_path, broker_url)
+    syncer.start("--crash-at", crash_at)
+    learners = TwoLearners(broker_url, syncer)
+    restarts = 0
+
+    def keep_going() -> bool:
+        """One turn of the learners' loop; restart the syncer once it was killed."""
+        nonlocal restarts
+        code = syncer.returncode()
+        if code is not None:
+            assert code == -signal.SIGKILL and restarts == 0, f"syncer exited with {code}"
+            restarts += 1
+            syncer.start()  # the same folder, without --crash-at
+        learners.turn()
+        return True
+
+    try:
+        wait_until(
+            lambda: keep_going() and ready_lines(syncer) >= 2 and learners.all_sent_and_acked(),
+            90, interval_s=0.3, what="every delta sent and acked",
+        )  # fmt: skip
+        wait_until(
+            lambda: keep_going() and learners.hold_the_checkpoint(),
+            10, what="the learners to get the last globals",
+        )  # fmt: skip
+    finally:
+        learners.close()
+        syncer.stop()
+
+    assert restarts == 1, f"the syncer never reached {crash_at}"
+    # Killed after its checkpoint, one round is durable but never logged.
+    check_applied_once(learners, 1 if crash_at in ("after_checkpoint", "before_ack") else 0)
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pause_at", CRASH_POINTS)
+def test_redis_killed_at_a_pipeline_boundary_loses_nothing_and_freezes_no_fragment(
+    tmp_path: Path, pause_at: str
+) -> None:
+    """Redis as compose starts it (the run's redis.acl, TLS, AOF always) is
+    SIGKILLed and restarted while the syncer stands at each boundary of its
+    pipeline: nothing acknowledged is lost or merged twice, every round goes
+    on, and a joiner reads each fragment's latest version from Redis."""
+    server = RedisServer(tmp_path / "redis", keys=Path(run_keys()), tls=True)
+    server.start()
+    write_initial_model(tmp_path)
+    syncer = SyncerProcess(tmp_path, server.url)
+    syncer.start("--pause-at", pause_at)
+    learners = TwoLearners(server.url, syncer)
+    redis_restarts = 0
+
+    def keep_going() -> bool:
+        """One turn of the learners' loop; kill and restart Redis while the syncer
+        stands at ``pause_at``, then let it go on."""
+        nonlocal redis_restarts
+        assert syncer.proc is not None and syncer.returncode() is None
+        if stopped(syncer.proc.pid):
+            server.kill()
+            server.start()  # the same port, folder and flags
+            redis_restarts += 1
+            syncer.proc.send_signal(signal.SIGCONT)
+        learners.turn()
+        return True
+
+    try:
+        wait_until(
+            lambda: keep_going() and learners.all_sent_and_acked(),
+            90, interval_s=0.3, what="every delta sent and acked",
+        )  # fmt: skip
+        wait_until(
+            lambda: keep_going() and learners.hold_the_checkpoint(),
+            10, what="the learners to get the last globals",
+        )  # fmt: skip
+        joiner = connect_learner(
+            server.url, run_id="faults", learner_id="joiner", incarnation=1,
+            num_fragments=FRAGMENTS, keys=RunKeys.load(run_keys(), "learner"),
+        )  # fmt: skip
+        try:
+            snapshot = joiner.snapshot(list(range(FRAGMENTS)), timeout_s=10)
+        finally:
+            joiner.close()
+    finally:
+        learners.close()
+        syncer.stop()
+        server.stop()
+
+    assert redis_restarts == 1, f"the syncer never reached {pause_at}"
+    check_applied_once(learners, 0)
+    assert {p: g.version for p, g in snapshot.items()} == {
+        p: g.version for p, g in learners.latest.items()
+    }
+    assert "NOPERM" not in (server.workdir / "redis.log").read_text()
 
 
 def durable_state(directory: Path, p: int) -> tuple[torch.Tensor, dict[str, Any]] | None:

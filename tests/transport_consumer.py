@@ -41,6 +41,7 @@ def open_db(path: str) -> sqlite3.Connection:
 def make_transport(args: argparse.Namespace) -> SyncerTransport:
     fragments = [int(p) for p in args.fragments.split(",")]
     if args.backend == "redis":
+        from broker.keys import RunKeys
         from broker.redis_syncer import RedisSyncerTransport
 
         return RedisSyncerTransport(
@@ -49,6 +50,7 @@ def make_transport(args: argparse.Namespace) -> SyncerTransport:
             consumer=args.syncer_id,
             fragments=fragments,
             claim_idle_s=args.claim_idle_s,
+            keys=RunKeys.load(args.keys, "syncer") if args.keys else None,
         )
     from broker.zmq_transport import ZmqSyncerTransport
 
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--syncer-id", default="syncer-0")
     ap.add_argument("--db", required=True)
     ap.add_argument("--claim-idle-s", type=float, default=2.0)
+    ap.add_argument("--keys", help="redis: the run's key folder (none: a Redis without users)")
     ap.add_argument("--publish", action="store_true", help="publish a global per applied batch")
     args = ap.parse_args(argv)
 
