@@ -67,10 +67,12 @@ class _Collect(SyncerTransport):
     def refuse(self, item: Inbound, reason: str) -> None:
         self.refused += 1
 
-    def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
+    def publish(
+        self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None, resume: bytes = b""
+    ) -> None:
         self.published += 1
 
-    def announce(self, fragment: GlobalFragment) -> None:
+    def announce(self, fragment: GlobalFragment, resume: bytes = b"") -> None:
         pass
 
     def close(self) -> None:

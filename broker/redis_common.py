@@ -340,6 +340,12 @@ def changes_key(run_id: str, fragment: int) -> str:
     return f"ddiloco:{run_id}:changes:{fragment}"
 
 
+def resume_key(run_id: str, fragment: int) -> str:
+    """The syncer's state that goes with the fragment's latest snapshot (no
+    member may read it): what a syncer that lost its checkpoint resumes from."""
+    return f"ddiloco:{run_id}:resume:{fragment}"
+
+
 def weightless_key(run_id: str, fragment: int) -> str:
     """Hash: ``crc``, the latest version's weights checksum, and ``frame``, its
     global without the weights, for joiners that hold them."""

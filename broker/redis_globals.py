@@ -44,6 +44,7 @@ from broker.redis_common import (
     model_key,
     notices_key,
     read_block_ms,
+    resume_key,
     sleep_tail,
     to_str,
     weightless_key,
@@ -83,6 +84,7 @@ class _Queued:
     frame: bytes  # to the stream
     version: GlobalFragment
     whole: GlobalFragment | None  # the version with its weights (None: ``version`` is)
+    resume: bytes  # the publisher's state that goes with it (empty: none)
 
 
 class GlobalsPublisher:
@@ -140,24 +142,36 @@ class GlobalsPublisher:
         signed = fragment if self._signer is None else self._signer.sign(fragment)
         return encode_bounded(signed, self._max_message_bytes)
 
-    def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None) -> None:
+    def publish(
+        self, fragment: GlobalFragment, snapshot: GlobalFragment | None, resume: bytes = b""
+    ) -> None:
         """Queue ``fragment`` for the stream and, as the snapshot, ``snapshot``
         (the same version with its weights; None: ``fragment`` is) or, between
-        snapshots, ``fragment`` for the fragment's changes list; write what is
+        snapshots, ``fragment`` for the fragment's changes list, with ``resume``
+        (the syncer's state of that version) for its resume key; write what is
         queued unless redis is away."""
         if fragment.run_id != self._run_id:
             raise ValueError(f"global of run {fragment.run_id!r} published on run {self._run_id!r}")
         if fragment.is_change and snapshot is None:
             raise ValueError(f"a change of fragment {fragment.fragment} published without weights")
-        self._queue(_Queued(self._encoded(fragment), fragment, snapshot))
+        self._check_resume(resume)
+        self._queue(_Queued(self._encoded(fragment), fragment, snapshot, resume))
 
-    def announce(self, fragment: GlobalFragment) -> None:
+    def announce(self, fragment: GlobalFragment, resume: bytes = b"") -> None:
         """As :meth:`publish`, with ``fragment`` without its weights to the stream
         (and its weights to the model key)."""
         if fragment.run_id != self._run_id:
             raise ValueError(f"global of run {fragment.run_id!r} announced on run {self._run_id!r}")
+        self._check_resume(resume)
         weightless = self._encoded(fragment.without_weights())
-        self._queue(_Queued(weightless, fragment.without_weights(), fragment))
+        self._queue(_Queued(weightless, fragment.without_weights(), fragment, resume))
+
+    def _check_resume(self, resume: bytes) -> None:
+        if len(resume) > self._max_message_bytes:
+            raise ValueError(
+                f"resume state of {len(resume):,} bytes: over max_message_bytes "
+                f"{self._max_message_bytes:,}"
+            )
 
     def _queue(self, queued: _Queued) -> None:
         self._unpublished[queued.version.fragment] = queued
@@ -209,6 +223,9 @@ class GlobalsPublisher:
                 pipe.hget(weightless_key(self._run_id, p), "crc")
                 pipe.rpush(changes_key(self._run_id, p), frame)
                 sent += len(frame)
+            if queued.resume:  # same transaction: a successor finds the two together
+                pipe.set(resume_key(self._run_id, p), queued.resume)
+                sent += len(queued.resume)
             weightless = self._encoded(version.without_weights())
             pipe.hset(
                 weightless_key(self._run_id, p),
@@ -231,6 +248,8 @@ class GlobalsPublisher:
                 next(replies)  # RPUSH
                 if not model_kept or crc is None or int(crc) != self._written[p].crc:
                     lost.append(p)
+            if self._unpublished[p].resume:
+                next(replies)  # SET
             next(replies), next(replies)  # HSET, XADD
         for p, weights in written.items():
             version = self._unpublished[p].version

@@ -42,11 +42,12 @@ from broker.redis_common import (
     heartbeat_key,
     is_transient,
     notices_key,
+    resume_key,
     roster_key,
     to_str,
 )
 from broker.redis_deltas import DeltaReader, DeltaTrimmer, Token
-from broker.redis_globals import GlobalsPublisher
+from broker.redis_globals import GlobalCheck, GlobalsPublisher, SnapshotKeys
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import MAX_LEARNER_SLOTS, Inbound, SyncerTransport, TransportStats
 from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
@@ -231,11 +232,16 @@ class RedisSyncerTransport(SyncerTransport):
         )
         self._learners = RosterReader(client, run_id, self._admission)
         self._roster = HeartbeatRoster(client, run_id, max_message_bytes, self.stats)
+        verifier = GlobalVerifier(keys) if keys else None
+        self._snapshots = SnapshotKeys(
+            client, run_id,
+            GlobalCheck(run_id, num_fragments, max_message_bytes, self.stats, verifier),
+        )  # fmt: skip
+        self._socket_timeout_s = socket_timeout_s
         self._publisher = GlobalsPublisher(
             self._link, run_id, consumer, globals_maxlen, globals_max_bytes, max_message_bytes,
             self.stats,
-            GlobalSigner(keys) if keys else None, GlobalVerifier(keys) if keys else None,
-            snapshot_every,
+            GlobalSigner(keys) if keys else None, verifier, snapshot_every,
         )  # fmt: skip
         try:
             self._deltas.ensure_groups()
@@ -332,20 +338,39 @@ class RedisSyncerTransport(SyncerTransport):
         self._link.attempt(lambda: lost.extend(self._publisher.lost()))
         return lost
 
-    def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
+    def resume_points(self, fragments: list[int]) -> dict[int, tuple[GlobalFragment, bytes]]:
+        """Read from the snapshot keys (signatures checked with the run's keys)
+        and the resume keys; raises :class:`TransportError` when redis does not
+        answer within the socket timeout."""
+
+        def read() -> dict[int, tuple[GlobalFragment, bytes]]:
+            latest = self._snapshots.latest(fragments)
+            keys = [resume_key(self.run_id, p) for p in fragments]
+            states = cast(list[bytes | None], self._link.client.mget(keys))
+            return {
+                p: (latest[p], state)
+                for p, state in zip(fragments, states, strict=True)
+                if p in latest and state
+            }
+
+        return self._link.call_within(self._socket_timeout_s, read, "resume points")
+
+    def publish(
+        self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None, resume: bytes = b""
+    ) -> None:
         """Write the snapshot key and append to the globals stream, atomically.
 
         Never raises on connection errors: the newest unpublished global of each
         fragment is kept and written by the next ``publish`` or ``receive`` once
         redis is back (learners see the skipped versions as a gap and resync).
         """
-        self._publisher.publish(fragment, snapshot)
+        self._publisher.publish(fragment, snapshot, resume)
 
-    def announce(self, fragment: GlobalFragment) -> None:
+    def announce(self, fragment: GlobalFragment, resume: bytes = b"") -> None:
         """Write the snapshot key again (a key lost or overwritten in Redis is
         restored) and append the version, without its weights, to the globals
         stream."""
-        self._publisher.announce(fragment)
+        self._publisher.announce(fragment, resume)
 
     def close(self) -> None:
         self._publisher.close()

@@ -245,13 +245,25 @@ class SyncerTransport(abc.ABC):
         """Tell the sender its delta was refused, and never deliver it again."""
 
     @abc.abstractmethod
-    def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
+    def publish(
+        self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None, resume: bytes = b""
+    ) -> None:
         """Publish a new global to every learner, and make ``snapshot`` (the same
         version as weights; ``fragment`` itself when None) what joiners and
-        learners that missed a version get."""
+        learners that missed a version get. ``resume``: the publisher's own
+        state that goes with this version (opaque to the transport), kept with
+        the snapshot where the broker stores snapshots, for a successor that
+        lost its checkpoint (:meth:`resume_points`)."""
+
+    def resume_points(self, fragments: list[int]) -> dict[int, tuple[GlobalFragment, bytes]]:
+        """The latest snapshot of each of ``fragments`` (with its weights) and the
+        ``resume`` state published with it, where the broker keeps both (Redis:
+        written in one transaction); a broker that keeps no snapshots (ZeroMQ)
+        has none."""
+        return {}
 
     @abc.abstractmethod
-    def announce(self, fragment: GlobalFragment) -> None:
+    def announce(self, fragment: GlobalFragment, resume: bytes = b"") -> None:
         """Tell every learner the published version of a fragment (``fragment``:
         its weights) without the weights (:meth:`GlobalFragment.without_weights`):
         a learner that holds it does nothing, one that does not (it missed it,

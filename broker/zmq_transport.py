@@ -1218,7 +1218,9 @@ class ZmqSyncerTransport(SyncerTransport):
     def _signed(self, fragment: GlobalFragment) -> GlobalFragment:
         return fragment if self._signer is None else self._signer.sign(fragment)
 
-    def publish(self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None) -> None:
+    def publish(
+        self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None, resume: bytes = b""
+    ) -> None:
         parts = wire.encode_parts(self._signed(fragment), self.max_message_bytes)
         whole = parts if snapshot is None else self._encoded(snapshot)
         self._latest.store(fragment, whole, self._encoded(fragment.without_weights()))
@@ -1227,7 +1229,7 @@ class ZmqSyncerTransport(SyncerTransport):
     def _encoded(self, fragment: GlobalFragment) -> Parts:
         return wire.encode_parts(self._signed(fragment), self.max_message_bytes)
 
-    def announce(self, fragment: GlobalFragment) -> None:
+    def announce(self, fragment: GlobalFragment, resume: bytes = b"") -> None:
         self._broadcast(self._encoded(fragment.without_weights()))
 
     def _broadcast(self, parts: Parts) -> None:

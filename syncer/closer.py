@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
+
 from broker.transport import Inbound, SyncerTransport
 from broker.wire import Delta, GlobalFragment
 from syncer.checkpoint import append_change, save_fragment
@@ -183,11 +185,16 @@ class RoundCloser:
 
         snapshot = state.snapshot
         published = state.publication
+        # Where the broker keeps snapshots, a successor without this checkpoint
+        # resumes from the version and this state (Syncer._rebuild_from_broker).
+        resume = msgpack.packb(state.meta(), use_bin_type=True)
         if announce:
-            self.transport.announce(message(snapshot))
+            self.transport.announce(message(snapshot), resume)
             return
         self.transport.publish(
-            message(published), snapshot=None if snapshot is published else message(snapshot)
+            message(published),
+            snapshot=None if snapshot is published else message(snapshot),
+            resume=resume,
         )
 
     def drain(self) -> None:

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import msgpack
+
 from broker.connect import connect_syncer, lease_shard
 from broker.errors import ConfigError, TransportError
 from broker.fragments import owned_fragments
@@ -212,7 +214,7 @@ class Syncer:
             syncer_shards=run.syncer_shards,
         )
         if fresh and not cfg.new_epoch:
-            self._refuse_to_forget(fresh)
+            self._refuse_to_forget(self._rebuild_from_broker(fresh))
         # Version 0 is durable before it is published, like every later one: a
         # syncer killed before its first round comes back in the same epoch
         # instead of refusing every delta in flight (wrong_epoch).
@@ -272,6 +274,37 @@ class Syncer:
                 "initial_model": self.cfg.run.initial_model,
             },
         )
+
+    def _rebuild_from_broker(self, fresh: list[int]) -> list[int]:
+        """Rebuild the fragments in ``fresh`` (no checkpoint here) whose latest
+        version the broker keeps with the state published beside it (Redis):
+        at that version, in its epoch, with its de-duplication state, so the
+        run goes on where it was and nothing is applied twice; not from the
+        initial model. What only the lost checkpoint held is gone: the
+        momentum (it starts again from zero), the master's lead over the
+        published version and the older kept versions (deltas based on them
+        are refused as stale, and their learners take the latest). Returns the
+        fragments left without a state."""
+        rebuilt = []
+        for p, (latest, raw) in sorted(self.transport.resume_points(fresh).items()):
+            meta = msgpack.unpackb(raw, raw=False)
+            if not isinstance(meta, dict) or (meta.get("epoch"), meta.get("version")) != (
+                latest.epoch,
+                latest.version,
+            ):
+                log.warning("fragment %d: the broker's state is not its latest version's", p)
+                continue
+            self.states[p].load({f"version.{latest.version}": latest.tensor()}, meta)
+            rebuilt.append(p)
+        if rebuilt:
+            log.warning(
+                "no checkpoint of fragment(s) %s in %s: rebuilt from the broker's latest "
+                "globals (%s), in their epoch; their momentum starts again from zero, and deltas "
+                "on older versions are refused as stale",
+                rebuilt, self.checkpoint_dir,
+                ", ".join(f"{p}@v{self.states[p].version}" for p in rebuilt),
+            )  # fmt: skip
+        return [p for p in fresh if p not in rebuilt]
 
     def _refuse_to_forget(self, fresh: list[int]) -> None:
         """A syncer without a checkpoint for fragments whose globals the broker

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,13 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import torch
 
 from broker.codecs import Codec, apply_change
 from broker.connect import connect_learner
 from broker.keys import RunKeys
-from broker.redis_access import SYNCER_USER
 from broker.settings import RunSettings
 from broker.transport import LearnerTransport
 from broker.wire import Delta, GlobalFragment, Heartbeat, weights_checksum
@@ -137,19 +136,23 @@ def applied_keys(events: list[dict[str, Any]]) -> Counter[tuple[str, int, int]]:
     return Counter(tuple(k) for e in events if e["event"] == "round" for k in e["keys"])
 
 
-@pytest.fixture(params=["zmq", "redis"])
-def broker_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "zmq":
-        # Resend after half a second: the restarted syncer gets the unacked deltas soon.
-        yield f"zmq://127.0.0.1:{free_port_pair()}?ack_timeout_s=0.5"
-        return
-    # As compose starts it: the run's users, TLS, AOF with appendfsync always.
+@pytest.fixture
+def compose_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """Redis as compose starts it: the run's users, TLS, AOF with appendfsync always."""
     server = RedisServer(tmp_path / "redis", keys=Path(run_keys()), tls=True)
     server.start()
     try:
-        yield server.url
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(params=["zmq", "redis"])
+def broker_url(request: pytest.FixtureRequest) -> str:
+    if request.param == "zmq":
+        # Resend after half a second: the restarted syncer gets the unacked deltas soon.
+        return f"zmq://127.0.0.1:{free_port_pair()}?ack_timeout_s=0.5"
+    return str(request.getfixturevalue("compose_redis").url)
 
 
 def delta_on(g: GlobalFragment, learner: str, seq: int) -> Delta:
@@ -337,6 +340,48 @@ def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_
     check_applied_once(learners, 1 if crash_at in ("after_checkpoint", "before_ack") else 0)
 
 
+@pytest.mark.timeout(180)
+def test_a_syncer_whose_checkpoint_folder_is_lost_resumes_from_redis_in_the_same_epoch(
+    tmp_path: Path, compose_redis: RedisServer
+) -> None:
+    """The syncer's host is lost between a round's publish and its acks (SIGKILL,
+    then its checkpoint folder deleted): a new syncer finds no checkpoint,
+    rebuilds each fragment from the latest global and state Redis keeps, in the
+    same epoch (not the initial model), and the run goes on with nothing
+    acknowledged lost and nothing applied twice (the unacked deltas the lost
+    round merged come again and are known)."""
+    write_initial_model(tmp_path)
+    syncer = SyncerProcess(tmp_path, compose_redis.url)
+    syncer.start("--crash-at", "before_ack")
+    learners = TwoLearners(compose_redis.url, syncer)
+    epochs: dict[int, int] = {}
+
+    def keep_going() -> bool:
+        if syncer.returncode() is not None and not epochs:
+            epochs.update({p: g.epoch for p, g in learners.latest.items()})
+            shutil.rmtree(syncer.checkpoint_dir)  # the host and its disk are gone
+            syncer.start()
+        learners.turn()
+        return True
+
+    try:
+        wait_until(
+            lambda: keep_going() and ready_lines(syncer) >= 2 and learners.all_sent_and_acked(),
+            90, interval_s=0.3, what="every delta sent and acked",
+        )  # fmt: skip
+        wait_until(
+            lambda: keep_going() and learners.hold_the_checkpoint(),
+            10, what="the learners to get the last globals",
+        )  # fmt: skip
+    finally:
+        learners.close()
+        syncer.stop()
+
+    assert "rebuilt from the broker's latest globals" in (tmp_path / "syncer.log").read_text()
+    assert {p: g.epoch for p, g in learners.latest.items()} == epochs  # the same lineage
+    check_applied_once(learners, 1)
+
+
 def stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped (SIGSTOP)."""
     return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T"
@@ -345,14 +390,13 @@ def stopped(pid: int) -> bool:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("pause_at", CRASH_POINTS)
 def test_redis_killed_at_a_pipeline_boundary_loses_nothing_and_freezes_no_fragment(
-    tmp_path: Path, pause_at: str
+    tmp_path: Path, compose_redis: RedisServer, pause_at: str
 ) -> None:
     """Redis as compose starts it (the run's redis.acl, TLS, AOF always) is
     SIGKILLed and restarted while the syncer stands at each boundary of its
     pipeline: nothing acknowledged is lost or merged twice, every round goes
     on, and a joiner reads each fragment's latest version from Redis."""
-    server = RedisServer(tmp_path / "redis", keys=Path(run_keys()), tls=True)
-    server.start()
+    server = compose_redis
     write_initial_model(tmp_path)
     syncer = SyncerProcess(tmp_path, server.url)
     syncer.start("--pause-at", pause_at)
@@ -392,7 +436,6 @@ def test_redis_killed_at_a_pipeline_boundary_loses_nothing_and_freezes_no_fragme
     finally:
         learners.close()
         syncer.stop()
-        server.stop()
 
     assert redis_restarts == 1, f"the syncer never reached {pause_at}"
     check_applied_once(learners, 0)
@@ -439,13 +482,14 @@ def jsonl(path: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(420)
 def test_syncer_learner_and_redis_each_frozen_30s_the_run_goes_on_and_loses_nothing(
-    tmp_path: Path, redis_server: RedisServer
+    tmp_path: Path, compose_redis: RedisServer
 ) -> None:
     """SIGSTOP for 30 s, then SIGCONT, of the syncer, then of Redis, then of a
     learner, in one run of two real learners. After each the run goes on (new
     rounds, learners step on); in the end every delta in Redis was acked by the
     syncer, none merged twice, both learners delivered everything, and their
     queues and memory stayed bounded while the broker or the syncer was gone."""
+    redis_server = compose_redis
     url = f"{redis_server.url}?max_unacked={MAX_UNACKED}"
     write_initial_model(tmp_path)
     syncer = SyncerProcess(tmp_path, url)
@@ -505,11 +549,7 @@ def test_syncer_learner_and_redis_each_frozen_30s_the_run_goes_on_and_loses_noth
             proc.wait(timeout=120)
         # The learners are done: merge what waits for them, then stop the syncer.
         syncer.proc.send_signal(signal.SIGUSR1)
-        client = redis.Redis.from_url(
-            redis_server.url,
-            username=SYNCER_USER,
-            password=RunKeys.load(run_keys(), "syncer").redis_password,
-        )
+        client = redis_server.client()  # the syncers' user
 
         def all_acked() -> bool:
             """Every delta in the streams delivered to the syncer and acked by it."""

@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 from prometheus_client import generate_latest
 
 from broker.codecs import Codec, apply_change
 from broker.errors import ConfigError
 from broker.keys import RunKeys
+from broker.redis_access import SYNCER_USER
+from broker.redis_common import resume_key
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import Inbound
 from broker.wire import Delta, GlobalFragment, Heartbeat
@@ -406,22 +409,37 @@ def test_two_syncers_cannot_share_a_checkpoint_folder(tmp_path: Path) -> None:
     second.shutdown()
 
 
-def test_a_syncer_without_its_checkpoint_refuses_to_throw_a_run_away(
+def test_a_syncer_without_its_checkpoint_rebuilds_from_redis_and_never_throws_a_run_away(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    """Attack (or accident): a syncer restarted on an empty checkpoint folder used to
-    start over at version 0 while the run's globals sat in Redis. Now it refuses,
-    unless told to start a new epoch; its own folder resumes the same epoch."""
+    """A syncer restarted on an empty checkpoint folder used to start over at
+    version 0 while the run's globals sat in Redis, then to refuse to start.
+    Now it rebuilds from the latest global and state Redis keeps, in the same
+    epoch; where Redis has the global but not that state (a run of an earlier
+    release) it refuses, unless told to start a new epoch."""
     first = make_syncer(tmp_path, 0, url=redis_server.url)
-    epoch = first.states[0].epoch
+    epoch, version = first.states[0].epoch, first.states[0].version
+    weights = first.states[0].weights.clone()
     first.shutdown()
+    rebuilt = make_syncer(tmp_path, 0, url=redis_server.url, checkpoint_dir=str(tmp_path / "a"))
+    assert (rebuilt.states[0].epoch, rebuilt.states[0].version) == (epoch, version)
+    assert torch.equal(rebuilt.states[0].weights, weights)
+    rebuilt.shutdown()
+    admin = redis.Redis.from_url(
+        redis_server.url,
+        username=SYNCER_USER,
+        password=RunKeys.load(run_keys(), "syncer").redis_password,
+    )
+    resume_keys = [resume_key("svc", p) for p in (0, 1)]
+    admin.delete(*resume_keys)  # as a run of an earlier release left Redis
     with pytest.raises(ConfigError, match="already has globals"):
-        make_syncer(tmp_path, 0, url=redis_server.url, checkpoint_dir=str(tmp_path / "empty"))
+        make_syncer(tmp_path, 0, url=redis_server.url, checkpoint_dir=str(tmp_path / "b"))
     again = make_syncer(tmp_path, 0, url=redis_server.url)  # its own folder: same epoch
     assert again.states[0].epoch == epoch
     again.shutdown()
+    admin.delete(*resume_keys)
     told = make_syncer(
-        tmp_path, 0, url=redis_server.url, checkpoint_dir=str(tmp_path / "empty"), new_epoch=True
+        tmp_path, 0, url=redis_server.url, checkpoint_dir=str(tmp_path / "b"), new_epoch=True
     )
     assert told.states[0].epoch != epoch
     told.shutdown()
