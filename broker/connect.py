@@ -27,7 +27,7 @@ from broker.keys import Identity, RunKeys
 from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, SyncerTransport
 
 if TYPE_CHECKING:
-    from broker.redis_shards import ShardLease
+    from broker.redis_shards import Fence, ShardLease
 
 SCHEMES = ("zmq", "redis", "rediss", "unix")
 _REDIS_PY_OPTIONS_WE_SET = ("socket_timeout", "socket_connect_timeout")
@@ -55,6 +55,7 @@ def _backend_classes(backend: str) -> tuple[type, type]:
 # Keyword options that are objects, given by the caller, never by a URL.
 _CALLER_OPTIONS = (
     "keys", "identity", "role", "num_fragments", "roster_cap", "syncer_shards", "resolve_host",
+    "fence",
 )  # fmt: skip
 
 
@@ -199,6 +200,7 @@ def connect_syncer(
     roster_cap: int = MAX_LEARNER_SLOTS,
     shard: int = 0,
     syncer_shards: int = 1,
+    fence: Fence | None = None,
 ) -> SyncerTransport:
     """``max_message_bytes`` as for :func:`connect_learner`; ``num_fragments``
     the run's (Redis: the keys a learner's ACL user may write name each);
@@ -220,6 +222,7 @@ def connect_syncer(
     else:
         if num_fragments is not None:
             options["num_fragments"] = num_fragments
+        options["fence"] = fence
         transport = _built(
             url,
             "syncer",
@@ -231,20 +234,24 @@ def connect_syncer(
 def lease_shard(
     url: str, *, run_id: str, syncer_shards: int, holder: str, ttl_s: float, keys: RunKeys | None
 ) -> ShardLease | None:
-    """A lease on a free syncer shard index, taken from Redis (waiting as a
-    standby while every index is held): see :mod:`broker.redis_shards`. None
+    """A syncer shard's lease, to take from Redis (:meth:`ShardLease.take`: a
+    free index or a given one, waiting as a standby while it is held; its
+    term fences the syncer's writes): see :mod:`broker.redis_shards`. None
     over ZeroMQ, which has no server to hold one: there the syncer takes the
     first shard whose checkpoint folder no live syncer holds."""
     parsed = parse_url(url)
     if parsed.backend == "zmq":
         return None
-    from broker.redis_access import SYNCER_USER
+    from broker.redis_access import SYNCER_USER, lock_down_if_open
     from broker.redis_common import connect
     from broker.redis_shards import ShardLease
 
-    user = (
-        None if keys is None or keys.redis_password is None else (SYNCER_USER, keys.redis_password)
-    )
     timeout_s = float(parsed.options.get("socket_timeout_s", 5.0))
+    user = None
+    if keys is not None and keys.redis_password is not None:
+        user = (SYNCER_USER, keys.redis_password)
+        # A Redis that takes anyone gets the run's users first (as the transport
+        # does): the lease is the syncer's first request.
+        _built(url, "syncer", lambda: lock_down_if_open(parsed.endpoints[0], timeout_s, keys))
     client = _built(url, "syncer", lambda: connect(parsed.endpoints[0], timeout_s, keys, user))
     return ShardLease(client, run_id, syncer_shards, holder, ttl_s)

@@ -24,6 +24,11 @@ class TransportError(DdilocoError):
     """The transport could not do what was asked within its timeout."""
 
 
+class Fenced(TransportError):
+    """Another syncer holds this one's shard under a later term: it must write
+    nothing more (it was frozen or cut off past its lease)."""
+
+
 class Backpressure(TransportError):
     """Too many deltas are waiting for acknowledgement; try again later."""
 

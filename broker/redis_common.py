@@ -336,6 +336,11 @@ def shard_key(run_id: str, shard: int) -> str:
     return f"ddiloco:{run_id}:shard:{shard}"
 
 
+def term_key(run_id: str, shard: int) -> str:
+    """The shard's term: one more at every new tenure of its lease, never less."""
+    return f"ddiloco:{run_id}:term:{shard}"
+
+
 def changes_key(run_id: str, fragment: int) -> str:
     return f"ddiloco:{run_id}:changes:{fragment}"
 

@@ -41,6 +41,7 @@ from broker.redis_common import (
     to_str,
     trimmed_key,
 )
+from broker.redis_shards import Fence, execute, transaction
 from broker.transport import Backpressure, Inbound, TransportStats
 from broker.wire import Delta
 
@@ -241,12 +242,14 @@ class DeltaReader:
         claim_idle_s: float,
         max_message_bytes: int,
         stats: TransportStats,
+        fence: Fence | None = None,
     ) -> None:
         self._client = client
         self._run_id = run_id
         self._consumer = consumer
         self._group = group
         self._fragments = fragments
+        self.fence = fence  # the shard's term: no ack once another syncer holds it
         # Stream key -> (fragment, learner id), for every learner followed.
         self.streams: dict[str, tuple[int, str]] = {}
         self._followed: set[str] = set()
@@ -476,10 +479,10 @@ class DeltaReader:
             by_stream.setdefault(stream, []).append(entry_id)
         if not by_stream:
             return set()
-        pipe = self._client.pipeline(transaction=False)
+        pipe = transaction(self._client, self.fence)
         for stream, ids in by_stream.items():
             pipe.xack(stream, self._group, *ids)
-        pipe.execute()
+        execute(pipe, self.fence)
         self._rejected_unacked.difference_update(rejected)
         return set(by_stream)
 

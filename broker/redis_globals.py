@@ -49,6 +49,7 @@ from broker.redis_common import (
     to_str,
     weightless_key,
 )
+from broker.redis_shards import Fence, execute, transaction
 from broker.transport import TransportStats, candidate_order
 from broker.wire import GlobalFragment, Refusal, WireError, weights_checksum
 
@@ -104,8 +105,10 @@ class GlobalsPublisher:
         signer: GlobalSigner | None = None,
         verifier: GlobalVerifier | None = None,
         snapshot_every: int = 1,
+        fence: Fence | None = None,
     ) -> None:
         self._link = link
+        self._fence = fence  # the shard's term: no write once another syncer holds it
         self._run_id = run_id
         self._consumer = consumer
         # With the run's keys: every global written is signed, and the snapshot
@@ -206,7 +209,7 @@ class GlobalsPublisher:
     def _write_queued(self) -> list[int]:
         """One transaction of what is queued; the fragments whose change went to a
         list Redis did not hold as written (left queued)."""
-        pipe = self._link.client.pipeline(transaction=True)
+        pipe = transaction(self._link.client, self._fence)
         written: dict[int, bool] = {}  # per fragment: whether its weights went to the model key
         sent = 0
         for p, queued in self._unpublished.items():
@@ -238,7 +241,7 @@ class GlobalsPublisher:
                 approximate=False,
             )
             sent += len(frame) + len(weightless)
-        replies = iter(pipe.execute())
+        replies = iter(execute(pipe, self._fence))
         lost: list[int] = []
         for p, weights in written.items():
             if weights:
@@ -246,7 +249,7 @@ class GlobalsPublisher:
             else:
                 model_kept, crc = next(replies), next(replies)
                 next(replies)  # RPUSH
-                if not model_kept or crc is None or int(crc) != self._written[p].crc:
+                if not model_kept or crc is None or int(cast(bytes, crc)) != self._written[p].crc:
                     lost.append(p)
             if self._unpublished[p].resume:
                 next(replies)  # SET

@@ -1,20 +1,29 @@
-"""A syncer's shard index, leased from Redis (``--shard auto``).
+"""A syncer's shard, leased from Redis, and the term that fences its writes.
 
-The replicas of a scaled syncer service are alike: none knows which shard it
-is. Each takes the lowest shard index nobody holds, as a key with a time to
-live (:func:`~broker.redis_common.shard_key`), under its host name and
-process id. In a container that is the container's id and 1, which survive a
+Every Redis syncer serves its shard under a lease: a key with a time to live
+(:func:`~broker.redis_common.shard_key`) naming its holder. With ``--shard
+auto`` it takes the lowest index nobody holds, under its host name and
+process id; in a container that is the container's id and 1, which survive a
 restart of the container, so a restarted syncer gets its own shard back at
-once, with its checkpoint folder and its consumer's pending deltas; anywhere
-else, a restarted syncer takes a shard once its old lease ran out. A replica
-that finds every index held waits as a standby and takes the first one that
-frees.
+once, with its checkpoint folder and its consumer's pending deltas. With a
+fixed index it takes that one, under its host name and checkpoint folder
+(which its lock keeps to one live process per host). A syncer that finds its
+shard held waits as a standby, taking nothing, and takes it once the lease
+runs out: on any host, since a syncer without a checkpoint rebuilds from the
+state Redis keeps (``Syncer._rebuild_from_broker``).
+
+Each new tenure of a shard's lease (a holder that did not hold it already)
+adds one to the shard's term (:func:`~broker.redis_common.term_key`), which
+never goes down. The holder's writes that publish or acknowledge run in a
+transaction that watches the term (:class:`Fence`): once another syncer took
+the shard, the old holder's writes are refused and counted, and it stops,
+even when it wakes from a freeze (SIGSTOP, a VM paused) before it learns that
+its lease ran out.
 
 A thread renews the lease with its own connection, so a long round never
 lets it run out. Should it ever be lost (Redis out of reach for longer than
-the lease, or another holder took the index), :attr:`ShardLease.lost` is set
-and the syncer stops at once: two syncers serving one fragment would publish
-two lineages of it.
+the lease, another holder took the index, the tenure changed),
+:attr:`ShardLease.lost` is set and the syncer stops at once.
 """
 
 from __future__ import annotations
@@ -24,21 +33,26 @@ import threading
 import time
 
 import redis
+from redis.client import Pipeline
 
-from broker.errors import TransportError
-from broker.redis_common import is_transient, shard_key, to_str
+from broker.errors import ConfigError, Fenced, TransportError
+from broker.redis_common import is_transient, shard_key, term_key, to_str
 
 log = logging.getLogger(__name__)
 
-# Take index KEYS[1] for holder ARGV[1] for ARGV[2] ms when nobody else holds
-# it: 1 if held now (taken or renewed), 0 if another holder has it.
+# Take index KEYS[1] (term KEYS[2]) for holder ARGV[1] for ARGV[2] ms when
+# nobody else holds it: the term it is held under now (a new one for a new
+# tenure), or 0 if another holder has it.
 _TAKE = """
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then
   return 0
 end
+if not holder then
+  redis.call('INCR', KEYS[2])
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
+return tonumber(redis.call('GET', KEYS[2]))
 """
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -48,6 +62,55 @@ return 0
 """
 
 
+class Fence:
+    """A shard's term as its holder took it: :meth:`transaction` opens a
+    transaction that Redis runs only while the term is still that one."""
+
+    def __init__(self, run_id: str, shard: int, term: int) -> None:
+        self.key = term_key(run_id, shard)
+        self.shard = shard
+        self.term = term
+        self.refused = 0  # writes refused because another syncer holds the shard
+
+    def transaction(self, client: redis.Redis) -> Pipeline:
+        """A MULTI pipeline that watches the term; raises :class:`Fenced` if the
+        term moved on already. Run it with :meth:`execute`."""
+        pipe = client.pipeline(transaction=True)
+        pipe.watch(self.key)
+        held = pipe.get(self.key)
+        if held is None or int(held) != self.term:
+            pipe.reset()
+            self._refuse(held)
+        pipe.multi()
+        return pipe
+
+    def execute(self, pipe: Pipeline) -> list[object]:
+        """Run ``pipe``; :class:`Fenced` if the term moved on meanwhile (nothing written)."""
+        try:
+            return list(pipe.execute())
+        except redis.WatchError:
+            self._refuse(b"a later one")
+            raise  # unreachable: _refuse raises
+
+    def _refuse(self, held: bytes | str | None) -> None:
+        self.refused += 1
+        now = "none" if held is None else to_str(held)
+        raise Fenced(
+            f"shard {self.shard} is held under term {now}, not this syncer's {self.term}: "
+            "another syncer took it over; this one writes nothing more"
+        )
+
+
+def transaction(client: redis.Redis, fence: Fence | None) -> Pipeline:
+    """A MULTI pipeline, fenced when the syncer holds its shard under a term."""
+    return fence.transaction(client) if fence is not None else client.pipeline(transaction=True)
+
+
+def execute(pipe: Pipeline, fence: Fence | None) -> list[object]:
+    """Run a pipeline of :func:`transaction`."""
+    return fence.execute(pipe) if fence is not None else list(pipe.execute())
+
+
 class ShardLease:
     """Take a shard index for ``holder`` and keep it renewed until :meth:`close`."""
 
@@ -55,38 +118,50 @@ class ShardLease:
         self, client: redis.Redis, run_id: str, shards: int, holder: str, ttl_s: float
     ) -> None:
         if shards < 1:
-            raise ValueError(f"shards must be >= 1, got {shards}")
+            raise ConfigError(f"shards must be >= 1, got {shards}")
         if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+            raise ConfigError(f"ttl_s must be > 0, got {ttl_s}")
         self._client = client
         self._run_id = run_id
         self.shards = shards
         self.holder = holder
         self.ttl_s = ttl_s
         self.shard = -1
+        self.term = 0  # the tenure it is held under, once taken
         self.lost = threading.Event()
         self._take = client.register_script(_TAKE)
         self._release = client.register_script(_RELEASE)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _try(self, shard: int) -> bool:
-        key = shard_key(self._run_id, shard)
-        return bool(self._take(keys=[key], args=[self.holder, int(self.ttl_s * 1000)]))
+    def _try(self, shard: int) -> int:
+        """The term ``shard`` is held under for this holder now, or 0 (another's)."""
+        keys = [shard_key(self._run_id, shard), term_key(self._run_id, shard)]
+        return int(self._take(keys=keys, args=[self.holder, int(self.ttl_s * 1000)]))
 
-    def take(self, timeout_s: float | None = None) -> int:
-        """The lowest free index (or the one this holder already has), waiting
-        as a standby while all are held, up to ``timeout_s`` (None: for ever);
-        then renewed from a thread."""
+    def fence(self) -> Fence:
+        """The fence of the shard taken, at its term."""
+        return Fence(self._run_id, self.shard, self.term)
+
+    def take(self, timeout_s: float | None = None, only: int | None = None) -> int:
+        """The lowest free index (or the one this holder already has), or just
+        ``only``, waiting as a standby while it is held (all are), up to
+        ``timeout_s`` (None: for ever); then renewed from a thread."""
+        if only is not None and not 0 <= only < self.shards:
+            raise ConfigError(f"shard {only} of {self.shards}: use an index in [0, {self.shards})")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         said = False
         while True:
             try:
                 # Our own index first: after a restart it is still held by us.
-                order = sorted(range(self.shards), key=lambda s: not self._holds(s))
+                order = (
+                    [only]
+                    if only is not None
+                    else sorted(range(self.shards), key=lambda s: not self._holds(s))
+                )
                 for s in order:
-                    if self._try(s):
-                        self.shard = s
+                    if term := self._try(s):
+                        self.shard, self.term = s, term
                         self._thread = threading.Thread(
                             target=self._renew, name="ddiloco-shard-lease", daemon=True
                         )
@@ -94,9 +169,10 @@ class ShardLease:
                         return s
                 if not said:
                     log.warning(
-                        "all %d shard(s) of run %s are held by live syncers: %s waits as a "
-                        "standby and takes the first that frees",
-                        self.shards, self._run_id, self.holder,
+                        "%s of run %s held by a live syncer: %s waits as a standby and takes "
+                        "it once its lease runs out",
+                        f"shard {only} is" if only is not None else f"all {self.shards} shards are",
+                        self._run_id, self.holder,
                     )  # fmt: skip
                     said = True
             except redis.RedisError as e:
@@ -118,8 +194,13 @@ class ShardLease:
         last_renewed = time.monotonic()
         while not self._stop.wait(self.ttl_s / 4):
             try:
-                if not self._try(self.shard):
-                    self._lose("another syncer holds it now")
+                term = self._try(self.shard)
+                if term != self.term:
+                    self._lose(
+                        "another syncer holds it now"
+                        if not term
+                        else f"it ran out and was taken again under term {term}"
+                    )
                     return
                 last_renewed = time.monotonic()
             except redis.RedisError as e:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from typing import Any, cast
 
 import redis
@@ -48,6 +49,7 @@ from broker.redis_common import (
 )
 from broker.redis_deltas import DeltaReader, DeltaTrimmer, Token
 from broker.redis_globals import GlobalCheck, GlobalsPublisher, SnapshotKeys
+from broker.redis_shards import Fence, execute, transaction
 from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import MAX_LEARNER_SLOTS, Inbound, SyncerTransport, TransportStats
 from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
@@ -167,6 +169,7 @@ class RedisSyncerTransport(SyncerTransport):
         identity_hold_s: float = GONE_AFTER_HEARTBEATS * RunSettings.heartbeat_timeout_s,
         keys: RunKeys | None = None,
         roster_cap: int = MAX_LEARNER_SLOTS,
+        fence: Fence | None = None,
     ) -> None:
         if not fragments or len(set(fragments)) != len(fragments) or min(fragments) < 0:
             raise ConfigError(f"fragments must be distinct non-negative ids, got {fragments}")
@@ -217,6 +220,7 @@ class RedisSyncerTransport(SyncerTransport):
             claim_idle_s,
             max_message_bytes,
             self.stats,
+            fence,
         )
         # A transient error may have lost a reply that delivered entries to us.
         self._link = RedisLink(
@@ -241,8 +245,9 @@ class RedisSyncerTransport(SyncerTransport):
         self._publisher = GlobalsPublisher(
             self._link, run_id, consumer, globals_maxlen, globals_max_bytes, max_message_bytes,
             self.stats,
-            GlobalSigner(keys) if keys else None, verifier, snapshot_every,
+            GlobalSigner(keys) if keys else None, verifier, snapshot_every, fence,
         )  # fmt: skip
+        self._fence = fence
         try:
             self._deltas.ensure_groups()
         except Exception as e:
@@ -319,12 +324,16 @@ class RedisSyncerTransport(SyncerTransport):
         self._deltas.settled([(stream, entry_id)])
         refusal = Refusal.of(d, reason)
         notices = notices_key(self.run_id, d.learner_id)
-        pipe = self._link.client.pipeline(transaction=True)
-        pipe.xadd(notices, {FIELD: encode_bounded(refusal, self.max_message_bytes)},
-                  maxlen=NOTICES_MAXLEN, approximate=False)  # fmt: skip
-        pipe.expire(notices, NOTICES_TTL_S)
-        pipe.xack(stream, self.group, entry_id)
-        if self._link.attempt(pipe.execute):
+
+        def notify_and_ack() -> None:
+            pipe = transaction(self._link.client, self._fence)
+            pipe.xadd(notices, {FIELD: encode_bounded(refusal, self.max_message_bytes)},
+                      maxlen=NOTICES_MAXLEN, approximate=False)  # fmt: skip
+            pipe.expire(notices, NOTICES_TTL_S)
+            pipe.xack(stream, self.group, entry_id)
+            execute(pipe, self._fence)
+
+        if self._link.attempt(notify_and_ack):
             self._trimmer.acked_in({stream})
 
     # -- publishing --------------------------------------------------------------
@@ -338,13 +347,15 @@ class RedisSyncerTransport(SyncerTransport):
         self._link.attempt(lambda: lost.extend(self._publisher.lost()))
         return lost
 
-    def resume_points(self, fragments: list[int]) -> dict[int, tuple[GlobalFragment, bytes]]:
+    def resume_points(
+        self, fragments: list[int], held: Mapping[int, Any] | None = None
+    ) -> dict[int, tuple[GlobalFragment, bytes]]:
         """Read from the snapshot keys (signatures checked with the run's keys)
         and the resume keys; raises :class:`TransportError` when redis does not
         answer within the socket timeout."""
 
         def read() -> dict[int, tuple[GlobalFragment, bytes]]:
-            latest = self._snapshots.latest(fragments)
+            latest = self._snapshots.load(fragments, held or {})[0]
             keys = [resume_key(self.run_id, p) for p in fragments]
             states = cast(list[bytes | None], self._link.client.mget(keys))
             return {

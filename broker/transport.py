@@ -255,11 +255,14 @@ class SyncerTransport(abc.ABC):
         the snapshot where the broker stores snapshots, for a successor that
         lost its checkpoint (:meth:`resume_points`)."""
 
-    def resume_points(self, fragments: list[int]) -> dict[int, tuple[GlobalFragment, bytes]]:
+    def resume_points(
+        self, fragments: list[int], held: Mapping[int, Any] | None = None
+    ) -> dict[int, tuple[GlobalFragment, bytes]]:
         """The latest snapshot of each of ``fragments`` (with its weights) and the
         ``resume`` state published with it, where the broker keeps both (Redis:
         written in one transaction); a broker that keeps no snapshots (ZeroMQ)
-        has none."""
+        has none. ``held``: fp32 weights the caller holds, by fragment, not
+        read again where they are the latest (as :meth:`LearnerTransport.snapshot`)."""
         return {}
 
     @abc.abstractmethod

@@ -33,7 +33,7 @@ from typing import IO, TYPE_CHECKING, Any
 import msgpack
 
 from broker.connect import connect_syncer, lease_shard
-from broker.errors import ConfigError, TransportError
+from broker.errors import ConfigError, Fenced, TransportError
 from broker.fragments import owned_fragments
 from broker.initial_model import InitialModel, read_initial_model
 from broker.runtime import default_holder, freeze_startup_heap
@@ -139,26 +139,35 @@ class Syncer:
             )
         self.shard_lease: ShardLease | None = None
         held: IO[bytes] | None = None  # the shard's checkpoint folder's lock, if taken here
-        if cfg.syncer_shard != AUTO_SHARD:
-            self.shard = int(cfg.syncer_shard)
-        elif lease := lease_shard(
+        fixed = None if cfg.syncer_shard == AUTO_SHARD else int(cfg.syncer_shard)
+        if fixed is not None:
+            # Locked first: the lease's holder names this folder, which the lock
+            # keeps to one live process on this host.
+            held = _lock_folder(_shard_folder(Path(cfg.checkpoint_dir), fixed, run.syncer_shards))
+        lease = lease_shard(
             run.url,
             run_id=run.run_id,
             syncer_shards=run.syncer_shards,
-            # In a container: its id and pid 1, the same after a restart.
-            holder=f"{default_holder()}:{os.getpid()}",
+            # auto: in a container its id and pid 1, the same after a restart.
+            holder=f"{default_holder()}:"
+            + (str(os.getpid()) if fixed is None else str(Path(cfg.checkpoint_dir).resolve())),
             ttl_s=GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s,
             keys=run.run_keys("syncer"),
-        ):
-            self.shard_lease = lease
-            self.shard = lease.take()
-        else:
-            self.shard, held = _take_shard_folder(Path(cfg.checkpoint_dir), run.syncer_shards)
+        )
         try:
+            if lease is not None:  # Redis: every shard is served under a lease and its term
+                self.shard_lease = lease
+                self.shard = lease.take(only=fixed)
+            elif fixed is not None:
+                self.shard = fixed
+            else:
+                self.shard, held = _take_shard_folder(Path(cfg.checkpoint_dir), run.syncer_shards)
             self._start(initial, transport, held)
         except BaseException:
             if self.shard_lease is not None:
                 self.shard_lease.close()
+            if held is not None:
+                held.close()
             raise
 
     def _start(
@@ -201,6 +210,8 @@ class Syncer:
             self.states[p] = state
         if resumed:
             log.info("resumed fragments from %s: %s", self.checkpoint_dir, ", ".join(resumed))
+        # Redis: every write that publishes or acknowledges checks the shard's term.
+        self.fence = None if self.shard_lease is None else self.shard_lease.fence()
         self.transport = transport or connect_syncer(
             run.url,
             run_id=run.run_id,
@@ -212,13 +223,15 @@ class Syncer:
             roster_cap=cfg.roster_cap,
             shard=self.shard,
             syncer_shards=run.syncer_shards,
+            fence=self.fence,
         )
-        if fresh and not cfg.new_epoch:
-            self._refuse_to_forget(self._rebuild_from_broker(fresh))
+        rebuilt = [] if cfg.new_epoch else self._rebuild_from_broker(fresh)
+        if not cfg.new_epoch:
+            self._refuse_to_forget([p for p in fresh if p not in rebuilt])
         # Version 0 is durable before it is published, like every later one: a
         # syncer killed before its first round comes back in the same epoch
         # instead of refusing every delta in flight (wrong_epoch).
-        for p in fresh:
+        for p in sorted(set(fresh) | set(rebuilt)):
             save_fragment(self.checkpoint_dir, p, *self.states[p].state())
         self.metrics = SyncerMetrics(cfg.metrics_port, cfg.metrics_file, run.metrics_host)
         # After a restart, the learners the checkpoint has applied deltas of.
@@ -276,17 +289,23 @@ class Syncer:
         )
 
     def _rebuild_from_broker(self, fresh: list[int]) -> list[int]:
-        """Rebuild the fragments in ``fresh`` (no checkpoint here) whose latest
-        version the broker keeps with the state published beside it (Redis):
-        at that version, in its epoch, with its de-duplication state, so the
-        run goes on where it was and nothing is applied twice; not from the
-        initial model. What only the lost checkpoint held is gone: the
-        momentum (it starts again from zero), the master's lead over the
-        published version and the older kept versions (deltas based on them
-        are refused as stale, and their learners take the latest). Returns the
-        fragments left without a state."""
+        """Rebuild each owned fragment whose latest version the broker keeps
+        (Redis, with the state published beside it) and the checkpoint here
+        does not: none of it (``fresh``: the host and its disk were lost), or
+        an older one (this syncer served the shard before another took it
+        over, elsewhere). It goes on from that version, in its epoch, with the
+        de-duplication state that goes with it, so the run goes on where it
+        was and nothing is applied twice; not from the initial model. What
+        only the lost checkpoint held is gone: the momentum (it starts again
+        from zero), the master's lead over the published version and the
+        older kept versions (deltas based on them are refused as stale, and
+        their learners take the latest). Returns the fragments rebuilt."""
+        held = {p: s.weights for p, s in self.states.items() if p not in fresh}
         rebuilt = []
-        for p, (latest, raw) in sorted(self.transport.resume_points(fresh).items()):
+        for p, (latest, raw) in sorted(self.transport.resume_points(self.owned, held).items()):
+            state = self.states[p]
+            if p not in fresh and (latest.epoch, latest.version) <= (state.epoch, state.version):
+                continue  # the checkpoint here is as new (or a round ahead: not yet published)
             meta = msgpack.unpackb(raw, raw=False)
             if not isinstance(meta, dict) or (meta.get("epoch"), meta.get("version")) != (
                 latest.epoch,
@@ -294,17 +313,17 @@ class Syncer:
             ):
                 log.warning("fragment %d: the broker's state is not its latest version's", p)
                 continue
-            self.states[p].load({f"version.{latest.version}": latest.tensor()}, meta)
+            state.load({f"version.{latest.version}": latest.tensor()}, meta)
             rebuilt.append(p)
         if rebuilt:
             log.warning(
-                "no checkpoint of fragment(s) %s in %s: rebuilt from the broker's latest "
-                "globals (%s), in their epoch; their momentum starts again from zero, and deltas "
-                "on older versions are refused as stale",
+                "fragment(s) %s: %s holds no checkpoint of their latest versions; rebuilt from "
+                "the broker's latest globals (%s), in their epoch; their momentum starts again "
+                "from zero, and deltas on older versions are refused as stale",
                 rebuilt, self.checkpoint_dir,
                 ", ".join(f"{p}@v{self.states[p].version}" for p in rebuilt),
             )  # fmt: skip
-        return [p for p in fresh if p not in rebuilt]
+        return rebuilt
 
     def _refuse_to_forget(self, fresh: list[int]) -> None:
         """A syncer without a checkpoint for fragments whose globals the broker
@@ -347,8 +366,17 @@ class Syncer:
     def run(self, max_seconds: float | None = None) -> None:
         freeze_startup_heap()
         end = None if max_seconds is None else self.clock() + max_seconds
-        while not self.stop_requested.is_set() and (end is None or self.clock() < end):
-            self.step()
+        try:
+            while not self.stop_requested.is_set() and (end is None or self.clock() < end):
+                self.step()
+        except Fenced as e:
+            # Another syncer serves the shard now: stop without writing anything
+            # more (no drain, no last publish), as a crash would.
+            assert self.fence is not None
+            log.error("%s", e)
+            self.metrics.event("fenced", term=self.fence.term, refused_writes=self.fence.refused)
+            self.metrics.close()
+            raise
         self.shutdown()
 
     def step(self) -> None:

@@ -32,9 +32,10 @@ import torch
 from broker.codecs import Codec, apply_change
 from broker.connect import connect_learner
 from broker.keys import RunKeys
+from broker.redis_common import FIELD, globals_stream_key
 from broker.settings import RunSettings
 from broker.transport import LearnerTransport
-from broker.wire import Delta, GlobalFragment, Heartbeat, weights_checksum
+from broker.wire import Delta, GlobalFragment, Heartbeat, decode, weights_checksum
 from compose.processes import free_port_pair
 from learner.config import WorkloadConfig
 from learner.library import MIN_QUEUED_BYTES
@@ -128,7 +129,12 @@ class SyncerProcess:
         self.log.close()
 
     def events(self) -> list[dict[str, Any]]:
+        if not self.events_path.exists():
+            return []
         return [json.loads(line) for line in self.events_path.read_text().splitlines()]
+
+    def events_rounds(self) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["event"] == "round"]
 
 
 def applied_keys(events: list[dict[str, Any]]) -> Counter[tuple[str, int, int]]:
@@ -380,6 +386,86 @@ def test_a_syncer_whose_checkpoint_folder_is_lost_resumes_from_redis_in_the_same
     assert "rebuilt from the broker's latest globals" in (tmp_path / "syncer.log").read_text()
     assert {p: g.epoch for p, g in learners.latest.items()} == epochs  # the same lineage
     check_applied_once(learners, 1)
+
+
+def globals_in_redis(server: RedisServer) -> list[GlobalFragment]:
+    """Every global on the run's globals stream, in the order it was written."""
+    client = server.client()
+    try:
+        entries = client.xrange(globals_stream_key("faults"))
+    finally:
+        client.close()
+    return [decode(fields[FIELD]) for _, fields in entries]
+
+
+@pytest.mark.timeout(180)
+def test_a_syncer_frozen_past_its_lease_is_fenced_when_it_wakes(
+    tmp_path: Path, compose_redis: RedisServer
+) -> None:
+    """Split brain. The active syncer freezes in the middle of a round (SIGSTOP
+    after its merge) for longer than its lease; a standby with a checkpoint
+    folder of its own (another host) waits, taking nothing, then takes the
+    shard under the next term, rebuilds from Redis and serves the learners.
+    Let go (SIGCONT), the old syncer goes on to publish its round: Redis
+    refuses the write (its term is not the shard's), the syncer counts it and
+    stops. It published and acknowledged nothing more, and every delta is in
+    the new syncer's lineage exactly once."""
+    url = compose_redis.url
+    write_initial_model(tmp_path)
+    (tmp_path / "standby").mkdir()
+    shutil.copy(tmp_path / "initial.safetensors", tmp_path / "standby" / "initial.safetensors")
+    active = SyncerProcess(tmp_path, url)
+    active.start("--pause-at", "after_update")
+    standby = SyncerProcess(tmp_path / "standby", url)
+    learners = TwoLearners(url, active)
+    try:
+        assert active.proc is not None
+        wait_until(
+            lambda: learners.turn() or stopped(active.proc.pid),  # type: ignore[union-attr]
+            60, interval_s=0.1, what="the active syncer frozen in its first round",
+        )  # fmt: skip
+        frozen_at = time.time()
+        standby.start()
+        learners.syncer = standby
+        wait_until(
+            lambda: learners.turn() or ready_lines(standby) >= 1,
+            60, interval_s=0.1, what="the standby to take the shard",
+        )  # fmt: skip
+        took_over_s = time.time() - frozen_at
+        wait_until(
+            lambda: learners.turn() or len(standby.events_rounds()) >= 2,
+            60, interval_s=0.1, what="the standby's rounds",
+        )  # fmt: skip
+        active.proc.send_signal(signal.SIGCONT)
+        assert active.proc.wait(timeout=30) == 2  # it stopped, saying why
+        wait_until(
+            lambda: (learners.turn() or True) and learners.all_sent_and_acked(),
+            90, interval_s=0.3, what="every delta sent and acked",
+        )  # fmt: skip
+        wait_until(
+            lambda: (learners.turn() or True) and learners.hold_the_checkpoint(),
+            10, what="the learners to get the last globals",
+        )  # fmt: skip
+    finally:
+        learners.close()
+        standby.stop()
+        active.stop()
+
+    # The lease ran out (3 heartbeat timeouts of 1 s) before the standby took it.
+    assert took_over_s >= 3 * 1.0
+    fenced = [e for e in active.events() if e["event"] == "fenced"]
+    assert len(fenced) == 1 and fenced[0]["refused_writes"] == 1 and fenced[0]["term"] == 1
+    assert "another syncer took it over" in (tmp_path / "syncer.log").read_text()
+    assert (
+        "rebuilt from the broker's latest globals"
+        in (tmp_path / "standby" / "syncer.log").read_text()
+    )
+    # One lineage: each fragment's versions on the stream go up one at a time,
+    # and no version was published twice with other weights.
+    published: dict[tuple[int, int], int] = {}
+    for g in globals_in_redis(compose_redis):
+        assert published.setdefault((g.fragment, g.version), g.weights_crc) == g.weights_crc
+    check_applied_once(learners, 0)
 
 
 def stopped(pid: int) -> bool:
