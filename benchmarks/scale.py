@@ -53,10 +53,15 @@ started again at once, from its checkpoint; ``shard_kill`` gives its outage
 (from the kill to its first round after it) and each shard's rounds closed
 within the outage: a shard that dies stops only its own fragments' rounds.
 
+With ``lose_state`` the kill is a lost host: shard 0's checkpoint folder is
+deleted before it starts again, and it rebuilds from the latest globals and
+state Redis keeps.
+
 Modes: ``--smoke`` (CI, about a minute): 10M parameters, P = 4, H = 4, M = 4,
 steps of 0.25 s, two ZeroMQ shards. ``--quick``: 250M parameters, P = 24,
 H = 24, M = 16, steps of 1 s, over Redis with one shard. Full: that load over
-Redis and over ZeroMQ with one and two shards.
+Redis and over ZeroMQ with one and two shards. ``--takeover``: the lost host
+at 0.88M parameters (P = 4, H = 12, M = 4) and at the quick load's 250M.
 """
 
 from __future__ import annotations
@@ -118,12 +123,13 @@ class Load:
     steps: int  # inner steps per learner
     pin_syncer: bool = False  # each shard on one core (taskset), for the per-core rate
     kill_shard_at_s: float = 0.0  # SIGKILL shard 0 this many s in, restarted at once; 0: never
+    lose_state: bool = False  # the kill deletes shard 0's checkpoint folder too (a lost host)
 
     @property
     def name(self) -> str:
         size = f"{self.params / 1e6:g}M"
         pinned = "-pinned" if self.pin_syncer else ""
-        killed = "-kill" if self.kill_shard_at_s else ""
+        killed = ("-lost" if self.lose_state else "-kill") if self.kill_shard_at_s else ""
         return f"{size}-{self.transport}-{self.shards}shard{pinned}{killed}"
 
     @property
@@ -139,6 +145,12 @@ MODES: dict[str, list[Load]] = {
     "smoke": [Load(10_000_000, 4, 4, 4, 0.25, "zmq", 2, steps=4 * 14)],
     "quick": [_QUICK],
     "full": [replace(_QUICK, transport=t, shards=n) for t in ("redis", "zmq") for n in (1, 2)],
+    # A syncer host lost (killed, its checkpoint folder deleted): the time to its
+    # next round, rebuilt from Redis, against the state's size.
+    "takeover": [
+        Load(880_000, 4, 12, 4, 0.25, "redis", 1, 12 * 16, kill_shard_at_s=20, lose_state=True),
+        replace(_QUICK, kill_shard_at_s=60, lose_state=True),
+    ],
 }
 
 
@@ -434,9 +446,12 @@ def _drive(
     for proc in learners:
         proc.start()
     kill: dict[str, float] = {}
+    checkpoint = folder / "checkpoint"
+    lost = (checkpoint / "shard-0" if load.shards > 1 else checkpoint) if load.lose_state else None
     if load.kill_shard_at_s:
         killer = threading.Thread(
-            target=_kill_and_restart, args=(load.kill_shard_at_s, syncers, restart_shard_0, kill)
+            target=_kill_and_restart,
+            args=(load.kill_shard_at_s, syncers, restart_shard_0, kill, lost),
         )
         killer.start()
     rows = [results.get(timeout=load.steps * load.step_s + 600) for _ in learners]
@@ -478,13 +493,17 @@ def _kill_and_restart(
     syncers: list[subprocess.Popen[bytes]],
     restart: Callable[[], subprocess.Popen[bytes]],
     times: dict[str, float],
+    lost: Path | None,
 ) -> None:
     """SIGKILL shard 0 ``at_s`` seconds from now and start it again at once
-    (from its checkpoint); the wall-clock times of both go in ``times``."""
+    (from its checkpoint; without it, its folder ``lost`` deleted, from Redis);
+    the wall-clock times of both go in ``times``."""
     time.sleep(at_s)
     syncers[0].kill()
     syncers[0].wait()
     times["killed_at"] = time.time()
+    if lost is not None:
+        shutil.rmtree(lost)
     syncers[0] = restart()
     times["restarted_at"] = time.time()
 
@@ -752,9 +771,12 @@ def main(argv: list[str] | None = None) -> int:
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--smoke", action="store_true", help="CI: 10M parameters, two ZeroMQ shards")
     which.add_argument("--quick", action="store_true", help="250M parameters over Redis, one shard")
+    which.add_argument(
+        "--takeover", action="store_true", help="a lost syncer host at 0.88M and 250M, over Redis"
+    )
     ap.add_argument("--out", default="benchmarks/results/scale")
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = next((m for m in ("smoke", "quick", "takeover") if getattr(args, m)), "full")
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -765,10 +787,12 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(measure(load, workdir))
             shown = {k: v for k, v in runs[-1].items() if k != "learners"}
             print(json.dumps(shown, indent=1), flush=True)
-        memory = shard_memory(MEMORY[mode])
-        print(json.dumps({"shard_memory": memory}), flush=True)
-        learner = learner_overhead(LEARNER_PARAMS[mode], workdir)
-        print(json.dumps({"learner_overhead": learner}), flush=True)
+        memory = learner = None  # the takeover runs measure the outage only
+        if mode != "takeover":
+            memory = shard_memory(MEMORY[mode])
+            print(json.dumps({"shard_memory": memory}), flush=True)
+            learner = learner_overhead(LEARNER_PARAMS[mode], workdir)
+            print(json.dumps({"learner_overhead": learner}), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     path = out / f"scale-{mode}.json"

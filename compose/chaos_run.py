@@ -11,6 +11,11 @@ is flushed, as in a real crash. Who brings it back:
   Chaos records each kill in the run folder's ``chaos.jsonl`` before it
   strikes, so the launcher counts the death as a chaos kill, not a crash.
 
+With ``--lose-state`` a syncer's crash is the loss of its host: its
+checkpoint folder is deleted right after the kill, before it comes back (a
+container's shard folder in the checkpoint volume, through a throwaway
+container of its image; a local syncer's ``checkpoint/``).
+
 Every kill, restart and refusal is one JSON line on stdout (and appended to
 ``--events``). Crashes arrive as a Poisson process with mean gap ``mtbf_s``;
 each picks one running target uniformly. The schedule is pure
@@ -24,6 +29,8 @@ import json
 import logging
 import os
 import random
+import re
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -53,6 +60,9 @@ class ChaosConfig:
     project: str = "ddiloco"  # the compose project or swarm stack whose containers crash
     local: str | None = None  # a ddiloco local run folder: crash its processes instead
     events: str | None = None  # also append the JSON events to this file
+    # A syncer's crash takes its host's disk too: its checkpoint folder is
+    # deleted before it comes back (it then rebuilds from Redis, docs/design.md).
+    lose_state: bool = False
 
     def __post_init__(self) -> None:
         check_choice("target", self.target, TARGETS)
@@ -107,8 +117,9 @@ class Targets(Protocol):
     def running(self, roles: tuple[str, ...]) -> dict[str, str]:
         """name -> role of every target that is up now."""
 
-    def kill(self, name: str) -> dict[str, Any]:
-        """SIGKILL ``name``'s main process; what to record about it."""
+    def kill(self, name: str, lose_state: bool) -> dict[str, Any]:
+        """SIGKILL ``name``'s main process (and, ``lose_state``, delete a syncer's
+        checkpoint folder); what to record about it."""
 
     def restart(self, name: str) -> str | None:
         """Bring ``name`` back if chaos is the one to; who does (for the log)."""
@@ -152,14 +163,19 @@ class LocalTargets:
             if self.role(name) in roles and self._alive(pid)
         }
 
-    def kill(self, name: str) -> dict[str, Any]:
+    def kill(self, name: str, lose_state: bool) -> dict[str, Any]:
         pid = self._pids()[name]
         # Recorded first: the launcher must find it when it sees the death.
         self.record.write("kill", process=name, pid=pid, reason="chaos")
         # If it died in between, the record stands: the launcher restarts it anyway.
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        return {"process": name, "pid": pid, "role": self.role(name)}
+        record: dict[str, Any] = {"process": name, "pid": pid, "role": self.role(name)}
+        if lose_state and self.role(name) == "syncer":
+            # Gone before the launcher's restart (--restart-s later).
+            shutil.rmtree(self.folder / "checkpoint", ignore_errors=True)
+            record["lost_state"] = str(self.folder / "checkpoint")
+        return record
 
     def restart(self, name: str) -> str | None:
         return "launcher"
@@ -207,15 +223,36 @@ class DockerTargets:
                 out[c.name] = role
         return out
 
-    def kill(self, name: str) -> dict[str, Any]:
+    def kill(self, name: str, lose_state: bool) -> dict[str, Any]:
         c = self.client.containers.get(name)
         c.kill(signal="SIGKILL")
-        return {
+        record = {
             "container": name,
             "container_id": c.id[:12],
             "hostname": c.attrs["Config"]["Hostname"],
             "role": self.role(c),
         }
+        if lose_state and record["role"] == "syncer":
+            record["lost_state"] = self._delete_checkpoint(c)
+        return record
+
+    def _delete_checkpoint(self, c: Any) -> str:
+        """Delete the dead syncer container ``c``'s shard folder of its checkpoint
+        volume (shared with the other shards' replicas), from a throwaway
+        container of its image with its volumes; the folder deleted."""
+        # An entry without "=" is a variable passed through unset.
+        env = dict(e.partition("=")[::2] for e in c.attrs["Config"]["Env"] or [])
+        folder = env.get("DDILOCO_CHECKPOINT_DIR") or "syncer-checkpoint"
+        logs = c.logs(stdout=True, stderr=True).decode(errors="replace")
+        # run_syncer's first line names its shard: "syncer ID, shard S of N, ..."
+        found = re.findall(r"shard (\d+) of (\d+), owns fragments", logs)
+        if found and int(found[-1][1]) > 1:
+            folder = f"{folder}/shard-{found[-1][0]}"
+        self.client.containers.run(
+            c.image.id, entrypoint=["sh", "-c", f'rm -rf "{folder}"/* "{folder}"/.lock'],
+            volumes_from=[c.id], user="0", remove=True, network_mode="none",
+        )  # fmt: skip
+        return folder
 
     def restart(self, name: str) -> str | None:
         from docker.errors import NotFound
@@ -281,7 +318,7 @@ def run_chaos(cfg: ChaosConfig) -> int:
             up = targets.running(roles)
             victim = schedule.due(now, [n for n in up if n not in restarts])
             if victim is not None:
-                record = targets.kill(victim)
+                record = targets.kill(victim, cfg.lose_state)
                 kills += 1
                 log_.write("kill", target=victim, signal="SIGKILL", **record)
                 restarts[victim] = (now + cfg.restart_s, record)

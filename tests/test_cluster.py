@@ -240,8 +240,9 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
         others = cluster.stepping(kill["t"]) - {victim}
         assert len(others) == 3  # the others trained on through the crash
 
-        # -- one syncer shard crashed: the other's rounds go on; it comes back -------
-        # -- from its checkpoint, with its own shard -----------------------------------
+        # -- one syncer shard's host lost (killed, its checkpoint folder deleted): --
+        # -- the other's rounds go on; it comes back with its own shard, rebuilt --
+        # -- from Redis in the same epoch ----------------------------------------------
         before = {r["fragment"]: r["version"] for r in cluster.rounds()}
         ddiloco(
             "chaos",
@@ -255,6 +256,7 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
             "1",
             "--restart-s",
             "3",
+            "--lose-state",
             "--seed",
             "7",
             "--events",
@@ -273,7 +275,8 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
             interval_s=1,
             what="rounds of the killed shard after its restart",
         )
-        assert "resumed fragments" in container_log(killed)
+        assert syncer_kill["lost_state"] == f"/ddiloco/checkpoint/shard-{dead_fragment}"
+        assert "rebuilt from the broker's latest globals" in container_log(killed)
         assert shard_in_log(killed) == dead_fragment  # its own shard back, not the other's
         after = [r for r in cluster.rounds() if r["t"] > syncer_kill["t"]]
         for r in after:  # versions go on from the checkpoint, never back to the start
