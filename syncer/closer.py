@@ -123,7 +123,7 @@ class RoundCloser:
             "sync_s": sync_s,
             "quorum_to_publish_s": latency_s,
         }
-        self.metrics.round(p, result, quorum, timings)
+        self.metrics.round(p, self.states[p].epoch, result, quorum, timings)
 
     def checkpoint(self, p: int) -> int:
         """Make fragment p's new version durable: its change appended to the log,

@@ -96,9 +96,15 @@ class SyncerMetrics:
         self.prometheus.heartbeats_ignored.inc(count)
 
     def round(
-        self, fragment: int, result: RoundResult, quorum: int, timings: dict[str, float | None]
+        self,
+        fragment: int,
+        epoch: int,
+        result: RoundResult,
+        quorum: int,
+        timings: dict[str, float | None],
     ) -> None:
-        """A published round; ``timings``: its sync_s, grace_s, quorum_s and
+        """A published round (``epoch``: its lineage's, which a syncer rebuilt
+        from the broker keeps); ``timings``: its sync_s, grace_s, quorum_s and
         quorum_to_publish_s (the last two None when it closed before quorum)."""
         p = self.prometheus
         self.rounds += 1
@@ -118,6 +124,7 @@ class SyncerMetrics:
         self.event(
             "round",
             fragment=fragment,
+            epoch=epoch,
             version=result.version,
             included=result.included,
             tokens=result.tokens,
