@@ -35,6 +35,7 @@ from broker.keys import (
 from broker.members import MAX_IDS_PER_KEY, Members
 from broker.wire import Delta, Enroll, GlobalFragment, Heartbeat, LeaseRequest, SnapshotRequest
 from broker.zmq_transport import ZmqLearnerTransport, ZmqSyncerTransport, pub_endpoint
+from compose import cli
 from tests.servers import wait_until
 from tests.test_zmq_transport import RUN, delta, endpoint, global_fragment
 
@@ -73,6 +74,17 @@ def test_a_missing_or_loose_key_is_named_at_start(tmp_path: Path, keys_dir: Path
         RunKeys.load(keys_dir, "learner")
     with pytest.raises(ConfigError, match="holds a run's keys already"):
         make_keys(keys_dir)
+
+
+def test_keys_acl_writes_redis_users_again_from_the_folder(keys_dir: Path) -> None:
+    """A folder made by an earlier release holds a redis.acl whose default user
+    may run nothing (Redis then dropped the append-only file's transactions
+    at a restart): `ddiloco keys acl` writes it again from the folder's secrets."""
+    made = (keys_dir / REDIS_ACL).read_text()
+    assert made.startswith("user default off resetpass ~* &* +@all\n")
+    (keys_dir / REDIS_ACL).write_text("user default off resetchannels -@all\n")
+    assert cli.main(["keys", "acl", "--keys", str(keys_dir)]) == 0
+    assert (keys_dir / REDIS_ACL).read_text() == made
 
 
 def test_an_identity_kept_in_a_file_is_the_same_after_a_restart(tmp_path: Path) -> None:
