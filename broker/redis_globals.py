@@ -249,7 +249,7 @@ class GlobalsPublisher:
             else:
                 model_kept, crc = next(replies), next(replies)
                 next(replies)  # RPUSH
-                if not model_kept or crc is None or int(cast(bytes, crc)) != self._written[p].crc:
+                if not self._held_as_written(p, model_kept, crc):
                     lost.append(p)
             if self._unpublished[p].resume:
                 next(replies)  # SET
@@ -262,13 +262,7 @@ class GlobalsPublisher:
             )
             if p not in lost:
                 del self._unpublished[p]
-        if lost:
-            self._stats.snapshots_lost += len(lost)
-            log.warning(
-                "syncer %s: redis no longer held the snapshot keys of fragment(s) %s as "
-                "written (a restart or failover lost them): writing them again, whole",
-                self._consumer, lost,
-            )  # fmt: skip
+        self._count_lost(lost)
         self._stats.bytes_sent += sent
         self._stats.messages_sent += len(written)
         return lost
@@ -290,17 +284,26 @@ class GlobalsPublisher:
         replies = pipe.execute()
         lost = []
         for p, model_kept, crc in zip(checked, replies[::2], replies[1::2], strict=True):
-            if not model_kept or crc is None or int(crc) != self._written[p].crc:
+            if not self._held_as_written(p, model_kept, crc):
                 lost.append(p)
                 del self._written[p]
+        self._count_lost(lost)
+        return lost
+
+    def _held_as_written(self, p: int, model_kept: object, crc: object) -> bool:
+        """Whether Redis holds fragment p's keys as this process wrote them last:
+        its model key (EXISTS) and its latest version's checksum (HGET)."""
+        held_crc = None if crc is None else int(cast(bytes, crc))
+        return bool(model_kept) and held_crc == self._written[p].crc
+
+    def _count_lost(self, lost: list[int]) -> None:
         if lost:
             self._stats.snapshots_lost += len(lost)
             log.warning(
-                "syncer %s: redis no longer holds the snapshot keys of fragment(s) %s (a "
-                "restart or failover lost them): publishing them again, whole",
+                "syncer %s: redis no longer holds the snapshot keys of fragment(s) %s as "
+                "written (a restart or failover lost them): writing them again, whole",
                 self._consumer, lost,
             )  # fmt: skip
-        return lost
 
     def close(self) -> None:
         """Write what is queued if redis answers; say what is lost if not."""

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +277,20 @@ class TwoLearners:
             transport.close()
 
 
+def play_to_the_end(learners: TwoLearners, keep_going: Callable[[], bool]) -> None:
+    """Turn the learners' loop (``keep_going``, true once the syncer may finish)
+    until every delta is sent and acked, then until they hold the checkpoint's
+    versions."""
+    wait_until(
+        lambda: keep_going() and learners.all_sent_and_acked(),
+        90, interval_s=0.3, what="every delta sent and acked",
+    )  # fmt: skip
+    wait_until(
+        lambda: (keep_going() or True) and learners.hold_the_checkpoint(),
+        10, what="the learners to get the last globals",
+    )  # fmt: skip
+
+
 def check_applied_once(learners: TwoLearners, unlogged: int) -> None:
     """Nothing acknowledged lost, nothing merged twice, every version published
     once, and the learners' last globals are the checkpoint's weights; ``unlogged``:
@@ -329,14 +343,7 @@ def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_
         return True
 
     try:
-        wait_until(
-            lambda: keep_going() and ready_lines(syncer) >= 2 and learners.all_sent_and_acked(),
-            90, interval_s=0.3, what="every delta sent and acked",
-        )  # fmt: skip
-        wait_until(
-            lambda: keep_going() and learners.hold_the_checkpoint(),
-            10, what="the learners to get the last globals",
-        )  # fmt: skip
+        play_to_the_end(learners, lambda: keep_going() and ready_lines(syncer) >= 2)
     finally:
         learners.close()
         syncer.stop()
@@ -371,14 +378,7 @@ def test_a_syncer_whose_checkpoint_folder_is_lost_resumes_from_redis_in_the_same
         return True
 
     try:
-        wait_until(
-            lambda: keep_going() and ready_lines(syncer) >= 2 and learners.all_sent_and_acked(),
-            90, interval_s=0.3, what="every delta sent and acked",
-        )  # fmt: skip
-        wait_until(
-            lambda: keep_going() and learners.hold_the_checkpoint(),
-            10, what="the learners to get the last globals",
-        )  # fmt: skip
+        play_to_the_end(learners, lambda: keep_going() and ready_lines(syncer) >= 2)
     finally:
         learners.close()
         syncer.stop()
@@ -503,14 +503,7 @@ def test_redis_killed_at_a_pipeline_boundary_loses_nothing_and_freezes_no_fragme
         return True
 
     try:
-        wait_until(
-            lambda: keep_going() and learners.all_sent_and_acked(),
-            90, interval_s=0.3, what="every delta sent and acked",
-        )  # fmt: skip
-        wait_until(
-            lambda: keep_going() and learners.hold_the_checkpoint(),
-            10, what="the learners to get the last globals",
-        )  # fmt: skip
+        play_to_the_end(learners, keep_going)
         joiner = connect_learner(
             server.url, run_id="faults", learner_id="joiner", incarnation=1,
             num_fragments=FRAGMENTS, keys=RunKeys.load(run_keys(), "learner"),
