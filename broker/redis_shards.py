@@ -21,9 +21,10 @@ even when it wakes from a freeze (SIGSTOP, a VM paused) before it learns that
 its lease ran out.
 
 A thread renews the lease with its own connection, so a long round never
-lets it run out. Should it ever be lost (Redis out of reach for longer than
-the lease, another holder took the index, the tenure changed),
-:attr:`ShardLease.lost` is set and the syncer stops at once.
+lets it run out. A holder whose lease ran out while nobody took the index
+(it was frozen, or Redis was out of its reach) takes it back under the same
+term. Should it be lost (another holder took the index, or held it
+meanwhile), :attr:`ShardLease.lost` is set and the syncer stops at once.
 """
 
 from __future__ import annotations
@@ -41,18 +42,22 @@ from broker.redis_common import is_transient, shard_key, term_key, to_str
 log = logging.getLogger(__name__)
 
 # Take index KEYS[1] (term KEYS[2]) for holder ARGV[1] for ARGV[2] ms when
-# nobody else holds it: the term it is held under now (a new one for a new
-# tenure), or 0 if another holder has it.
+# nobody else holds it; ARGV[3]: the term the holder holds it under (0: none
+# yet). Returns the term it is held under now, or 0 if another holder has it.
+# A new tenure gets a new term; a holder whose lease ran out while nobody took
+# the index (frozen, or Redis out of its reach) keeps its term: no other
+# syncer wrote under a later one.
 _TAKE = """
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then
   return 0
 end
-if not holder then
-  redis.call('INCR', KEYS[2])
+local term = tonumber(redis.call('GET', KEYS[2]) or '0')
+if not holder and (ARGV[3] == '0' or term ~= tonumber(ARGV[3])) then
+  term = redis.call('INCR', KEYS[2])
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return tonumber(redis.call('GET', KEYS[2]))
+return term
 """
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -137,7 +142,12 @@ class ShardLease:
     def _try(self, shard: int) -> int:
         """The term ``shard`` is held under for this holder now, or 0 (another's)."""
         keys = [shard_key(self._run_id, shard), term_key(self._run_id, shard)]
-        return int(self._take(keys=keys, args=[self.holder, int(self.ttl_s * 1000)]))
+        args: list[str | int] = [
+            self.holder,
+            int(self.ttl_s * 1000),
+            self.term if shard == self.shard else 0,
+        ]
+        return int(self._take(keys=keys, args=args))
 
     def fence(self) -> Fence:
         """The fence of the shard taken, at its term."""
@@ -191,23 +201,24 @@ class ShardLease:
         return held is not None and to_str(held) == self.holder
 
     def _renew(self) -> None:
-        last_renewed = time.monotonic()
+        """Renew until closed. While Redis is out of reach nobody can take the
+        index (the lease is Redis's), so the holder keeps trying: once back,
+        its term says whether another syncer held the shard meanwhile."""
         while not self._stop.wait(self.ttl_s / 4):
             try:
                 term = self._try(self.shard)
-                if term != self.term:
-                    self._lose(
-                        "another syncer holds it now"
-                        if not term
-                        else f"it ran out and was taken again under term {term}"
-                    )
-                    return
-                last_renewed = time.monotonic()
             except redis.RedisError as e:
-                if not is_transient(e) or time.monotonic() - last_renewed > self.ttl_s:
-                    # Out of reach longer than the lease: another may have it by now.
-                    self._lose(f"not renewed for {time.monotonic() - last_renewed:.0f}s ({e})")
+                if not is_transient(e):
+                    self._lose(f"not renewed: {e}")
                     return
+                continue
+            if term != self.term:
+                self._lose(
+                    "another syncer holds it now"
+                    if not term
+                    else f"another syncer held it meanwhile (term {term})"
+                )
+                return
 
     def _lose(self, why: str) -> None:
         log.error("lease of shard %d lost: %s", self.shard, why)

@@ -144,15 +144,20 @@ class Syncer:
             # Locked first: the lease's holder names this folder, which the lock
             # keeps to one live process on this host.
             held = _lock_folder(_shard_folder(Path(cfg.checkpoint_dir), fixed, run.syncer_shards))
-        lease = lease_shard(
-            run.url,
-            run_id=run.run_id,
-            syncer_shards=run.syncer_shards,
-            # auto: in a container its id and pid 1, the same after a restart.
-            holder=f"{default_holder()}:"
-            + (str(os.getpid()) if fixed is None else str(Path(cfg.checkpoint_dir).resolve())),
-            ttl_s=GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s,
-            keys=run.run_keys("syncer"),
+        # A transport given by the caller (tests, tools) is served without a lease.
+        lease = (
+            None
+            if transport is not None
+            else lease_shard(
+                run.url,
+                run_id=run.run_id,
+                syncer_shards=run.syncer_shards,
+                # auto: in a container its id and pid 1, the same after a restart.
+                holder=f"{default_holder()}:"
+                + (str(os.getpid()) if fixed is None else str(Path(cfg.checkpoint_dir).resolve())),
+                ttl_s=GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s,
+                keys=run.run_keys("syncer"),
+            )
         )
         try:
             if lease is not None:  # Redis: every shard is served under a lease and its term

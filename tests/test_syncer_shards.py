@@ -18,7 +18,7 @@ from broker.connect import lease_shard
 from broker.errors import TransportError
 from broker.fragments import owned_fragments, owner_shard
 from broker.keys import RunKeys, make_keys
-from broker.redis_common import shard_key
+from broker.redis_common import shard_key, term_key
 from broker.redis_shards import ShardLease
 from syncer.service import _take_shard_folder
 from tests.servers import RedisServer, wait_until
@@ -112,6 +112,21 @@ class TestShardLease:
         wait_until(lease.lost.is_set, TTL_S * 2, what="the lost lease noticed")
         lease.close()  # a lost lease is not released: it is not ours
         assert self.server.client().get(shard_key(RUN, 0)) == b"intruder"
+
+    def test_a_lease_that_ran_out_with_nobody_taking_it_keeps_its_term(self) -> None:
+        """A holder frozen, or cut off from Redis, past its lease takes it back
+        under the same term if nobody took the shard meanwhile (no other syncer
+        wrote under a later term); if one held it meanwhile, the lease is lost."""
+        lease = self.lease("a", shards=1)
+        lease.take(5)
+        admin = self.server.client()
+        admin.delete(shard_key(RUN, 0))  # ran out, and nobody took it
+        time.sleep(TTL_S)
+        assert not lease.lost.is_set() and lease.fence().term == lease.term == 1
+        assert int(admin.get(term_key(RUN, 0))) == 1
+        admin.delete(shard_key(RUN, 0))
+        admin.incr(term_key(RUN, 0))  # another held it meanwhile, and let go
+        wait_until(lease.lost.is_set, TTL_S * 2, what="the lost lease noticed")
 
 
 def test_zmq_has_no_shard_leases() -> None:
