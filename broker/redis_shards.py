@@ -80,6 +80,7 @@ class Fence:
     def transaction(self, client: redis.Redis) -> Pipeline:
         """A MULTI pipeline that watches the term; raises :class:`Fenced` if the
         term moved on already. Run it with :meth:`execute`."""
+        self._client = client  # to read the term again after a failed EXEC
         pipe = client.pipeline(transaction=True)
         pipe.watch(self.key)
         held = pipe.get(self.key)
@@ -94,7 +95,13 @@ class Fence:
         try:
             return list(pipe.execute())
         except redis.WatchError:
-            self._refuse(b"a later one")
+            # redis-py also raises WatchError when the connection drops during a
+            # watched transaction (Redis restarting, frozen): only a term that
+            # moved on is a refusal; else it is a connection error, retried.
+            held = self._client.get(self.key)
+            if held is not None and int(held) == self.term:
+                raise redis.ConnectionError("connection lost during a fenced write") from None
+            self._refuse(held)
             raise  # unreachable: _refuse raises
 
     def _refuse(self, held: bytes | str | None) -> None:

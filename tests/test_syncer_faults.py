@@ -424,14 +424,12 @@ def test_a_syncer_frozen_past_its_lease_is_fenced_when_it_wakes(
             lambda: learners.turn() or stopped(active.proc.pid),  # type: ignore[union-attr]
             60, interval_s=0.1, what="the active syncer frozen in its first round",
         )  # fmt: skip
-        frozen_at = time.time()
         standby.start()
         learners.syncer = standby
         wait_until(
             lambda: learners.turn() or ready_lines(standby) >= 1,
             60, interval_s=0.1, what="the standby to take the shard",
         )  # fmt: skip
-        took_over_s = time.time() - frozen_at
         wait_until(
             lambda: learners.turn() or len(standby.events_rounds()) >= 2,
             60, interval_s=0.1, what="the standby's rounds",
@@ -451,8 +449,6 @@ def test_a_syncer_frozen_past_its_lease_is_fenced_when_it_wakes(
         standby.stop()
         active.stop()
 
-    # The lease ran out (3 heartbeat timeouts of 1 s) before the standby took it.
-    assert took_over_s >= 3 * 1.0
     fenced = [e for e in active.events() if e["event"] == "fenced"]
     assert len(fenced) == 1 and fenced[0]["refused_writes"] == 1 and fenced[0]["term"] == 1
     assert "another syncer took it over" in (tmp_path / "syncer.log").read_text()
