@@ -231,8 +231,8 @@ class Syncer:
             fence=self.fence,
         )
         rebuilt = [] if cfg.new_epoch else self._rebuild_from_broker(fresh)
-        if not cfg.new_epoch:
-            self._refuse_to_forget([p for p in fresh if p not in rebuilt])
+        if unrebuilt := [p for p in fresh if p not in rebuilt and not cfg.new_epoch]:
+            self._refuse_to_forget(unrebuilt)
         # Version 0 is durable before it is published, like every later one: a
         # syncer killed before its first round comes back in the same epoch
         # instead of refusing every delta in flight (wrong_epoch).
