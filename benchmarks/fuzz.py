@@ -6,7 +6,7 @@ Each input is one frame as it could come off the network: random bytes, a
 valid frame with bytes flipped, cut or appended, or a valid checksum around a
 header with hostile fields (wrong types, huge or negative numbers, unknown
 codecs, lists where ids go, payloads that do not match). Every frame goes
-through ``broker.wire.decode``; every one that decodes goes, as a transport
+through ``broker.wire.messages.decode``; every one that decodes goes, as a transport
 would hand it over, into a real :class:`syncer.service.Syncer`'s ``handle``.
 The only acceptable outcomes: ``WireError`` (counted by reason), or a message
 the syncer accepts, refuses by reason, or ignores, with its global weights
@@ -33,13 +33,13 @@ from typing import Any
 import msgpack
 import torch
 
-from broker import wire
-from broker.codecs import Codec
 from broker.fragments import FragmentPlan, ParamSpec
-from broker.initial_model import write_initial_model
-from broker.settings import RunSettings
+from broker.run.initial_model import write_initial_model
+from broker.run.settings import RunSettings
 from broker.transport import Inbound, SyncerTransport, TransportStats
-from broker.wire import Delta, GlobalFragment, Heartbeat, WireError
+from broker.wire import messages as wire
+from broker.wire.codecs import Codec
+from broker.wire.messages import Delta, GlobalFragment, Heartbeat, WireError
 from syncer.config import SyncerConfig
 from syncer.service import Syncer
 

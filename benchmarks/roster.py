@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker.keys import Identity, RunKeys, make_keys
-from broker.redis_learner import RedisLearnerTransport
-from broker.redis_syncer import RedisSyncerTransport
-from broker.wire import Heartbeat
+from broker.identity.keys import Identity, RunKeys
+from broker.redis.learner import RedisLearnerTransport
+from broker.redis.syncer import RedisSyncerTransport
+from broker.run.key_folder import make_keys
+from broker.wire.messages import Heartbeat
 
 RUN = "roster-bench"
 FRAGMENTS = 8
@@ -34,7 +35,7 @@ MODES = {"smoke": (1, 8), "quick": (1, 16, 64), "full": (1, 16, 64, 256)}
 
 
 def measure(learners: int, keys_dir: Path, workdir: Path) -> dict[str, Any]:
-    from tests.servers import RedisServer  # a private Redis with the run's users
+    from broker.redis.server import RedisServer  # a private Redis with the run's users
 
     server = RedisServer(workdir / f"redis-{learners}", keys=keys_dir)
     server.start()

@@ -89,16 +89,17 @@ from typing import Any
 
 import torch
 
-from broker.cli_config import dataclass_to_args
-from broker.codecs import Codec
 from broker.connect import connect_learner
 from broker.errors import Backpressure
 from broker.fragments import FragmentPlan, ParamSpec, owned_fragments, owner_shard
-from broker.initial_model import write_initial_model
-from broker.keys import Identity, make_keys
-from broker.settings import RunSettings
+from broker.identity.keys import Identity
+from broker.run.cli_config import dataclass_to_args
+from broker.run.initial_model import write_initial_model
+from broker.run.key_folder import make_keys
+from broker.run.settings import RunSettings
 from broker.transport import learner_id_of
-from broker.wire import Delta, Heartbeat
+from broker.wire.codecs import Codec
+from broker.wire.messages import Delta, Heartbeat
 
 RUN_ID = "scale-bench"
 TOKENS_PER_STEP = 16 * 128  # a learner's batch at the defaults (tokens per inner step)
@@ -344,7 +345,7 @@ def _start_syncer(
 
 
 def measure(load: Load, workdir: Path) -> dict[str, Any]:
-    from tests.servers import RedisServer, free_port
+    from broker.redis.server import RedisServer, free_port
 
     folder = workdir / load.name
     shutil.rmtree(folder, ignore_errors=True)
@@ -617,8 +618,8 @@ def _in_child(target: Any, *args: Any) -> dict[str, Any]:
 
 
 def _learner_overhead(params: int, workdir: str, results: Any) -> None:
+    from broker.redis.server import free_port
     from learner.library import DecoupledDiLoCo, local_syncer
-    from tests.servers import free_port
 
     torch.set_num_threads(1)
     width = 1024

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from broker.codecs import Codec
-from broker.settings import RunSettings
-from broker.wire import Delta
+from broker.run.settings import RunSettings
+from broker.wire.codecs import Codec
+from broker.wire.messages import Delta
 from syncer.config import OuterConfig
 from syncer.fragment_state import FragmentState
 

@@ -50,17 +50,19 @@ from typing import Any, cast
 
 import numpy as np
 
-from broker.codecs import Codec
 from broker.connect import connect_learner, connect_syncer
-from broker.keys import GlobalSigner, GlobalVerifier, RunKeys, make_keys
+from broker.identity.keys import RunKeys
+from broker.identity.signing import GlobalSigner, GlobalVerifier
+from broker.run.key_folder import make_keys
 from broker.runtime import freeze_startup_heap
 from broker.transport import Backpressure
-from broker.wire import Delta, GlobalFragment
+from broker.wire.codecs import Codec
+from broker.wire.messages import Delta, GlobalFragment
 
 RUN = "bench"
 PLAN = "0123456789abcdef"
 INCARNATION = 1
-# A spawned side imports torch (through broker.codecs) before it is ready: on a
+# A spawned side imports torch (through broker.wire.codecs) before it is ready: on a
 # loaded machine that alone can take a minute. Not timed.
 _START_TIMEOUT_S = 300
 WINDOW = 16  # deltas in flight: the backends' max_unacked here, and the raw window
@@ -351,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             if backend == "redis" and args.redis_url:
                 url = base_url = args.redis_url
             elif backend == "redis":
-                from tests.servers import RedisServer
+                from broker.redis.server import RedisServer
 
                 folder = Path(tempfile.mkdtemp(prefix="ddiloco-bench-"))
                 plain = RedisServer(folder / "plain")

@@ -23,11 +23,11 @@ import redis.exceptions
 import zmq
 
 from broker.errors import ConfigError, TransportError
-from broker.keys import Identity, RunKeys
+from broker.identity.keys import Identity, RunKeys
 from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, SyncerTransport
 
 if TYPE_CHECKING:
-    from broker.redis_shards import Fence, ShardLease
+    from broker.redis.shards import Fence, ShardLease
 
 SCHEMES = ("zmq", "redis", "rediss", "unix")
 _REDIS_PY_OPTIONS_WE_SET = ("socket_timeout", "socket_connect_timeout")
@@ -43,11 +43,11 @@ class BrokerUrl:
 
 def _backend_classes(backend: str) -> tuple[type, type]:
     if backend == "zmq":
-        from broker.zmq_transport import ZmqLearnerTransport, ZmqSyncerTransport
+        from broker.zmq.transport import ZmqLearnerTransport, ZmqSyncerTransport
 
         return ZmqLearnerTransport, ZmqSyncerTransport
-    from broker.redis_learner import RedisLearnerTransport
-    from broker.redis_syncer import RedisSyncerTransport
+    from broker.redis.learner import RedisLearnerTransport
+    from broker.redis.syncer import RedisSyncerTransport
 
     return RedisLearnerTransport, RedisSyncerTransport
 
@@ -206,14 +206,14 @@ def connect_syncer(
     the run's (Redis: the keys a learner's ACL user may write name each);
     ``keys`` the run's keys as a syncer holds them; ``roster_cap`` the learner
     slots the syncer grants, at most (its roster cap). A ZeroMQ syncer binds
-    its ``shard``'s endpoint of the URL (:func:`~broker.zmq_transport.shard_endpoint`)."""
+    its ``shard``'s endpoint of the URL (:func:`~broker.zmq.transport.shard_endpoint`)."""
     parsed = parse_url(url)
     _, cls = _backend_classes(parsed.backend)
     options = _options_for(cls, parsed) | {"keys": keys, "roster_cap": roster_cap}
     if max_message_bytes is not None:
         options.setdefault("max_message_bytes", max_message_bytes)
     if parsed.backend == "zmq":
-        from broker.zmq_transport import shard_endpoint
+        from broker.zmq.transport import shard_endpoint
 
         bind = shard_endpoint(parsed.endpoints, shard, syncer_shards)
         transport: SyncerTransport = _built(
@@ -236,15 +236,15 @@ def lease_shard(
 ) -> ShardLease | None:
     """A syncer shard's lease, to take from Redis (:meth:`ShardLease.take`: a
     free index or a given one, waiting as a standby while it is held; its
-    term fences the syncer's writes): see :mod:`broker.redis_shards`. None
+    term fences the syncer's writes): see :mod:`broker.redis.shards`. None
     over ZeroMQ, which has no server to hold one: there the syncer takes the
     first shard whose checkpoint folder no live syncer holds."""
     parsed = parse_url(url)
     if parsed.backend == "zmq":
         return None
-    from broker.redis_access import SYNCER_USER, lock_down_if_open
-    from broker.redis_common import connect
-    from broker.redis_shards import ShardLease
+    from broker.redis.access import SYNCER_USER, lock_down_if_open
+    from broker.redis.common import connect
+    from broker.redis.shards import ShardLease
 
     timeout_s = float(parsed.options.get("socket_timeout_s", 5.0))
     user = None

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from broker.errors import ConfigError
-from broker.wire import DEFAULT_MAX_PAYLOAD_BYTES, FRAME_PREFIX_BYTES, MAX_HEADER_BYTES
+from broker.wire.messages import DEFAULT_MAX_PAYLOAD_BYTES, FRAME_PREFIX_BYTES, MAX_HEADER_BYTES
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The one transport interface that learner and syncer code talk to.
 
-Two backends implement it: :mod:`broker.zmq_transport`, and Redis Streams
-(:mod:`broker.redis_learner`, :mod:`broker.redis_syncer`, :mod:`broker.redis_common`).
+Two backends implement it: :mod:`broker.zmq.transport`, and Redis Streams
+(:mod:`broker.redis.learner`, :mod:`broker.redis.syncer`, :mod:`broker.redis.common`).
 :func:`broker.connect.connect_learner` and :func:`broker.connect.connect_syncer`
 build one from a URL, and nothing else in the code base asks which one it got.
 
@@ -20,7 +20,7 @@ Delivery contract
   only. A transport hands globals over as candidates and records a version
   only once the learner has validated the global (:meth:`LearnerTransport.accepted`):
   a malformed global with a huge version cannot make it drop the real ones.
-* A delta the syncer refuses is answered with a :class:`~broker.wire.Refusal`,
+* A delta the syncer refuses is answered with a :class:`~broker.wire.messages.Refusal`,
   never a silent acknowledgement: the learner stops resending it, counts it by
   reason, and fetches the fragment's latest global.
 * Heartbeats are best effort and tiny.
@@ -44,7 +44,7 @@ from typing import Any
 # Defined in broker.errors; re-exported here, where the transports import them.
 from broker.errors import Backpressure as Backpressure
 from broker.errors import TransportError as TransportError
-from broker.wire import Delta, GlobalFragment, Heartbeat
+from broker.wire.messages import Delta, GlobalFragment, Heartbeat
 
 # Bounds of learner slots, so that no peer can hold slots without end or many
 # of them: a lease outlives its holder by at most an hour, and the slots of

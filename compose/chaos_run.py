@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from broker.config_checks import check_choice, check_int, check_positive, require
+from broker.checks import check_choice, check_int, check_positive, require
 from broker.errors import ConfigError, DdilocoError
 
 log = logging.getLogger(__name__)

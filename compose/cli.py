@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from broker.cli_config import add_dataclass_args, dataclass_from_args
 from broker.errors import ConfigError, DdilocoError
-from broker.settings import RunSettings
+from broker.run.cli_config import add_dataclass_args, dataclass_from_args
+from broker.run.settings import RunSettings
 from compose.chaos_run import ChaosConfig, run_chaos
 from compose.reporter import ReportConfig, run_report
 from compose.throttle import ThrottleConfig
@@ -68,10 +68,12 @@ def run_keys(action: str, folder: str, learner_id: str | None, force: bool) -> i
     it out within a second, no restart), rotate the signing key or the syncers'
     CURVE key, issue the Redis server a new TLS certificate, or write its
     ``redis.acl`` again."""
-    from broker import keys, tls
+    from broker.identity import keys, tls
+    from broker.redis.access import write_acl_file
+    from broker.run.key_folder import make_keys
 
     if action == "make":
-        out = keys.make_keys(folder, overwrite=force)
+        out = make_keys(folder, overwrite=force)
         print(
             f"run keys in {out} (0600): learners get join.secret, syncer.curve.pub, "
             "signing.pub and tls.ca.crt; tls.ca.key stays with you (docs/security.md)"
@@ -89,7 +91,7 @@ def run_keys(action: str, folder: str, learner_id: str | None, force: bool) -> i
         public = keys.rotate_curve_key(folder)
         print(f"new CURVE key {public[:10]}...: learners dial it, syncers bind again with it")
     elif action == "acl":
-        path = keys.write_redis_acl(folder)
+        path = write_acl_file(folder)
         print(f"{path} written again; restart Redis with --aclfile {path} to load it")
     else:
         hosts = tls.issue_redis_cert(Path(folder))

@@ -5,7 +5,7 @@
     python -m compose.cli_reference --check    # exit 1 if docs/cli.md is out of date
 
 The parsers are the ones ``ddiloco`` builds itself (:func:`compose.cli.main`), whose
-options come from the config dataclasses (:mod:`broker.cli_config`): nothing
+options come from the config dataclasses (:mod:`broker.run.cli_config`): nothing
 is declared twice. The text depends on the code only: ``DDILOCO_*`` variables
 set in the environment are ignored while the parsers are built (they would
 change the defaults), and neither the terminal's width nor paths nor times
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from broker.cli_config import ENV_PREFIX
+from broker.run.cli_config import ENV_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = Path("docs") / "cli.md"
 REGENERATE = "python -m compose.cli_reference --write"
 
-# The help that broker.cli_config.add_dataclass_args writes for a field:
+# The help that broker.run.cli_config.add_dataclass_args writes for a field:
 # "<comment>; default <value> (env DDILOCO_<NAME>)", the comment and the
 # default each optional.
 _ENV = re.compile(r"^(?P<body>.*?) ?\(env (?P<env>\w+)\)$", re.S)
@@ -183,7 +183,7 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         "Every `ddiloco` command and its options, as the command's parser has them: the",
         "options of a service are the fields of its config dataclass",
         "(`learner/config.py`, `syncer/config.py`, `compose/local.py`, the shared run",
-        "settings in `broker/settings.py`), mapped to flags by `broker/cli_config.py`.",
+        "settings in `broker/run/settings.py`), mapped to flags by `broker/run/cli_config.py`.",
         "`tests/test_docs.py` checks that this file is current.",
         "",
         "- Every option of a config field is also an environment variable, read when the",

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from broker.config_checks import check_positive
-from broker.settings import RunSettings
+from broker.checks import check_positive
+from broker.run.settings import RunSettings
 from compose.report import load_events, plot_run, summarise
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.config_checks import require
+from broker.checks import require
 from broker.errors import ConfigError, DdilocoError
 
 IFB = "ifb-ddl"  # the ingress device created in each namespace

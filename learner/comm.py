@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from broker.codecs import Codec
 from broker.transport import Backpressure, LearnerTransport, candidate_order
-from broker.wire import Delta, GlobalFragment, Heartbeat
+from broker.wire.codecs import Codec
+from broker.wire.messages import Delta, GlobalFragment, Heartbeat
 from learner.fragment_sync import Stamp
 from learner.join import STALE
 

@@ -1,8 +1,8 @@
 """The learner side's config dataclasses: what is trained, how, and by whom.
 
 Groups that several commands share are their own dataclasses, nested (and
-flattened onto flags and ``DDILOCO_*`` variables by :mod:`broker.cli_config`):
-:class:`~broker.settings.RunSettings` (the whole run), :class:`WorkloadConfig`
+flattened onto flags and ``DDILOCO_*`` variables by :mod:`broker.run.cli_config`):
+:class:`~broker.run.settings.RunSettings` (the whole run), :class:`WorkloadConfig`
 (model and data: ``ddiloco init``, learners, the evaluator), :class:`TrainConfig`
 (the inner loop), :class:`SyncConfig` (the learner's side of syncing) and
 :class:`EvalConfig` (held-out evaluation).
@@ -14,9 +14,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.codecs import Codec
-from broker.config_checks import check_id, check_int, check_positive, require
-from broker.settings import RunSettings
+from broker.checks import check_id, check_int, check_positive, require
+from broker.run.settings import RunSettings
+from broker.wire.codecs import Codec
 from learner.model import ModelConfig
 
 DEFAULT_WORKLOAD = "learner.workload:byte_gpt"

@@ -9,11 +9,11 @@ from collections.abc import Mapping
 
 import torch
 
-from broker.codecs import apply_change
 from broker.errors import ConfigError, TransportError
 from broker.fragments import FragmentPlan
 from broker.transport import LearnerTransport
-from broker.wire import GlobalFragment, WireError, weights_checksum
+from broker.wire.codecs import apply_change
+from broker.wire.messages import GlobalFragment, WireError, weights_checksum
 from learner.fragment_sync import Stamp
 
 NO_BASE = "no_base"  # a change from a version this learner does not hold
@@ -25,8 +25,8 @@ class GlobalDecoder:
     """Globals checked against this learner's plan and decoded to weights.
 
     Keeps the weights of the version of each fragment it last decoded: a global
-    that is a change (:attr:`broker.wire.GlobalFragment.is_change`) is added to
-    them (:func:`broker.codecs.apply_change`, the syncer's own rule, so the
+    that is a change (:attr:`broker.wire.messages.GlobalFragment.is_change`) is added to
+    them (:func:`broker.wire.codecs.apply_change`, the syncer's own rule, so the
     result is bit for bit the syncer's version). A change from any other
     version is refused as ``no_base``, and a global whose weights do not match
     the checksum it names as ``diverged``; either way the fragment's snapshot

@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 from broker.connect import connect_learner
 from broker.errors import TransportError
-from broker.keys import Identity
-from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
+from broker.identity.keys import Identity
+from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import LearnerTransport
 from broker.transport import learner_id_of as learner_id_of
 

@@ -51,16 +51,17 @@ from typing import Any
 
 import torch
 
-from broker.cli_config import dataclass_to_args
 from broker.connect import connect_learner
 from broker.errors import ConfigError, DdilocoError
 from broker.files import atomic_write
 from broker.fragments import FragmentPlan, synced_parameters
-from broker.initial_model import write_initial_model
-from broker.keys import JOIN_SECRET, Identity, identity_path, make_keys
-from broker.settings import NO_BROKER, RunSettings
+from broker.identity.keys import JOIN_SECRET, Identity, identity_path
+from broker.run.cli_config import dataclass_to_args
+from broker.run.initial_model import write_initial_model
+from broker.run.key_folder import make_keys
+from broker.run.settings import NO_BROKER, RunSettings
 from broker.transport import LearnerTransport, TransportStats
-from broker.wire import Delta, Heartbeat
+from broker.wire.messages import Delta, Heartbeat
 from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
 from learner.config import LearnerSettings
 from learner.fragment_sync import FragmentSync, Stamp
@@ -94,7 +95,7 @@ def _saved_state(path: Path) -> Iterator[None]:
 class DecoupledDiLoCo:
     """A learner's side of Decoupled DiLoCo around the user's model and loop.
 
-    Keyword settings are the run's shared settings (:class:`~broker.settings.RunSettings`:
+    Keyword settings are the run's shared settings (:class:`~broker.run.settings.RunSettings`:
     ``fragments``, ``sync_every``, ``delta_codec``, ...), the learner's syncing
     options (:class:`~learner.config.SyncConfig`) and process options
     (:class:`~learner.config.ProcessConfig`), each by its own name; or
@@ -140,7 +141,7 @@ class DecoupledDiLoCo:
         # Every rank of a group resumes from what rank 0 saved; rank 0 alone writes.
         self.progress = ProgressFile(state_dir, learner_id)
         # Who this learner is to the syncers (docs/security.md): kept in its
-        # home (broker.keys.identity_path), made by the rank that connects.
+        # home (broker.identity.keys.identity_path), made by the rank that connects.
         self.identity = identity
         self.start_step, self.tokens, last_incarnation = self.progress.load()
         # Strictly newer than any earlier incarnation even if the clock stepped

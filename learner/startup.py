@@ -18,7 +18,7 @@ import sys
 from types import FrameType
 
 from broker.errors import ConfigError
-from broker.keys import Identity, identity_path
+from broker.identity.keys import Identity, identity_path
 from broker.runtime import default_holder
 from learner.config import EvaluatorConfig, LearnerConfig
 from learner.lease import AUTO_ID, SlotLease, learner_id_of, shard_of

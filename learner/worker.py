@@ -21,7 +21,7 @@ import torch
 import torch._dynamo  # noqa: F401  (a first optimizer imports it: seconds, here with the rest)
 
 from broker.files import EventLog
-from broker.keys import Identity
+from broker.identity.keys import Identity
 from broker.runtime import freeze_startup_heap
 from learner.config import LearnerConfig, LearnerSettings, TrainConfig
 from learner.evaluator import DeferredEvaluations

@@ -22,8 +22,8 @@ import torch
 
 from broker.errors import ConfigError
 from broker.fragments import FragmentPlan, synced_parameters
-from broker.initial_model import write_initial_model
-from broker.settings import RunSettings
+from broker.run.initial_model import write_initial_model
+from broker.run.settings import RunSettings
 from learner.config import EvalConfig, TrainConfig, WorkloadConfig
 from learner.data import BatchSampler, eval_batches, evaluate, load_corpus
 from learner.model import GPT

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from broker.wire import Delta
+from broker.wire.messages import Delta
 from syncer.aggregation import (
     SAFE_MAGNITUDE,
     StaleDelta,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from broker.codecs import Codec
-from broker.wire import Delta
+from broker.wire.codecs import Codec
+from broker.wire.messages import Delta
 from syncer import kernels
 
 

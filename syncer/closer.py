@@ -14,7 +14,7 @@ from pathlib import Path
 import msgpack
 
 from broker.transport import Inbound, SyncerTransport
-from broker.wire import Delta, GlobalFragment
+from broker.wire.messages import Delta, GlobalFragment
 from syncer.checkpoint import append_change, save_fragment
 from syncer.fragment_state import QUARANTINED, FragmentState, Publication, RoundOverflow
 from syncer.membership import Membership

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from broker.config_checks import check_choice, check_id, check_int, check_positive, require
-from broker.settings import RunSettings
+from broker.checks import check_choice, check_id, check_int, check_positive, require
+from broker.run.settings import RunSettings
 
 # mean and radial weight learners by tokens and steps; trimmed_mean and
 # coordinate_median are robust to a minority of bad learners and ignore weights.

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from broker.codecs import Codec, apply_change
 from broker.errors import ConfigError, TrustError
-from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
-from broker.wire import Delta
+from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
+from broker.wire.codecs import Codec, apply_change
+from broker.wire.messages import Delta
 from syncer import kernels
 from syncer.admission import (
     ACCEPTED,

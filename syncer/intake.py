@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from broker.transport import Inbound, SyncerTransport
-from broker.wire import Delta, Heartbeat, WireError
+from broker.wire.messages import Delta, Heartbeat, WireError
 from syncer.fragment_state import ACCEPTED, DUPLICATE, HELD, FragmentState
 from syncer.membership import Membership
 from syncer.metrics import SyncerMetrics

@@ -10,7 +10,7 @@ the tile is in the cache: the master, momentum and version are read once and
 written once, and the deltas never leave their packed codes.
 
 The bytes out are exactly those of ``Codec.encode(change, fit_scales=True)``
-(broker/codecs.py; tests/test_kernels.py checks both against each other): the
+(broker/wire/codecs.py; tests/test_kernels.py checks both against each other): the
 same largest magnitude, bf16 rounding, division and round half to even, and
 least-squares scales summed in float64, where every order of the sum gives
 the same result. So the new version is ``previous + Codec.decode(payload)``
@@ -279,7 +279,7 @@ def _close_tile(inputs, outputs, blocks, factors, shape, scratch, per_block, fie
         _step_tile(update, weights, base, buffers, False, factors, weights, buffers, moved)
     else:
         _step_tile(update, weights, base, buffers, False, factors, stepped, buffers, moved)
-    # -- each block's codes and least-squares scale (broker.quantise.Levels.scaled_codes). What
+    # -- each block's codes and least-squares scale (broker.wire.quantise.Levels.scaled_codes). What
     # is done once per block is done for every block of the tile in one loop, so
     # that it is vectorised too.
     moved_bits = moved.view(np.uint32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
-from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings, default_quorum
+from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings, default_quorum
 from syncer.quorum import Roster
 
 log = logging.getLogger(__name__)
@@ -19,7 +19,7 @@ class Membership:
     cluster started with fewer), then the learners that joined, as they join,
     up to the run's. Never more: anyone can join the roster under made-up ids,
     and a K they raised would hold every round for reports they never send.
-    K is ``quorum`` when set, else :func:`broker.settings.default_quorum` of M.
+    K is ``quorum`` when set, else :func:`broker.run.settings.default_quorum` of M.
     """
 
     def __init__(self, run: RunSettings, roster_cap: int, now: float, members: Collection[str]):

@@ -19,8 +19,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from broker.codecs import Codec
-from broker.wire import weights_checksum
+from broker.wire.codecs import Codec
+from broker.wire.messages import weights_checksum
 from syncer import kernels
 from syncer.admission import Contribution, Term
 from syncer.aggregation import (

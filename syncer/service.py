@@ -35,9 +35,9 @@ import msgpack
 from broker.connect import connect_syncer, lease_shard
 from broker.errors import ConfigError, Fenced, TransportError
 from broker.fragments import owned_fragments
-from broker.initial_model import InitialModel, read_initial_model
+from broker.run.initial_model import InitialModel, read_initial_model
+from broker.run.settings import GONE_AFTER_HEARTBEATS
 from broker.runtime import default_holder, freeze_startup_heap
-from broker.settings import GONE_AFTER_HEARTBEATS
 from broker.transport import Inbound, SyncerTransport
 from syncer.buffers import PackedRows
 from syncer.checkpoint import (
@@ -56,7 +56,7 @@ from syncer.metrics import SyncerMetrics
 from syncer.quorum import Roster
 
 if TYPE_CHECKING:
-    from broker.redis_shards import ShardLease
+    from broker.redis.shards import ShardLease
 
 log = logging.getLogger(__name__)
 

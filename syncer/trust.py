@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from broker.wire import Delta
+from broker.wire.messages import Delta
 
 # How much faster than its measured pace a learner may seem to have trained.
 # Step times are averages of noisy samples and a learner may speed up (a

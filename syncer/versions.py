@@ -19,8 +19,8 @@ from typing import Any, TypeAlias
 
 import torch
 
-from broker.codecs import Codec, apply_change
-from broker.wire import weights_checksum
+from broker.wire.codecs import Codec, apply_change
+from broker.wire.messages import weights_checksum
 from syncer.aggregation import StaleDelta, max_abs
 
 # A published global: bytes, or (fp32) a read-only view of the weights' own memory.
@@ -36,7 +36,7 @@ class Publication:
     payload: Payload
     codec: Codec
     is_change: bool
-    weights_crc: int  # of the version's fp32 bytes (broker.wire.weights_checksum)
+    weights_crc: int  # of the version's fp32 bytes (broker.wire.messages.weights_checksum)
 
 
 def fp32_bytes(weights: torch.Tensor) -> Payload:
@@ -60,7 +60,7 @@ def canonical(
 
     ``previous``: the version learners hold now (None for the first one). A lossy
     codec quantises the change ``master - previous``, and the new version is
-    ``previous`` plus the decoded change (:func:`broker.codecs.apply_change`),
+    ``previous`` plus the decoded change (:func:`broker.wire.codecs.apply_change`),
     not the master: the rounding error stays in ``master - version`` and goes
     out with the next change (error feedback), so versions follow the master
     without drift. The first version, and every fp32 one, goes out as the

@@ -23,17 +23,15 @@ import redis
 import torch
 import zmq
 
-from broker import wire
-from broker.codecs import Codec
-from broker.keys import Identity, RunKeys, enroll_proof
-from broker.redis_access import (
+from broker.identity.keys import Identity, RunKeys, enroll_proof
+from broker.redis.access import (
     JOIN_USER,
     join_password,
     member_password,
     member_user,
     password_digest,
 )
-from broker.redis_common import (
+from broker.redis.common import (
     FIELD,
     delta_stream_key,
     globals_stream_key,
@@ -43,8 +41,10 @@ from broker.redis_common import (
     requests_key,
     roster_key,
 )
-from broker.wire import Delta, Enroll, Heartbeat, LeaseRequest, SnapshotRequest
-from broker.zmq_transport import GLOBALS_TOPIC, pub_endpoint
+from broker.wire import messages as wire
+from broker.wire.codecs import Codec
+from broker.wire.messages import Delta, Enroll, Heartbeat, LeaseRequest, SnapshotRequest
+from broker.zmq.transport import GLOBALS_TOPIC, pub_endpoint
 
 
 @dataclass

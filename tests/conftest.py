@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.servers import RedisServer
+from broker.redis.server import RedisServer
 
 torch.set_num_threads(1)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.codecs import Codec
-from broker.settings import RunSettings
+from broker.run.settings import RunSettings
+from broker.wire.codecs import Codec
 from syncer.config import OuterConfig
 from syncer.trust import ReportLimits
 

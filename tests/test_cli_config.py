@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from broker.cli_config import (
+from broker.run.cli_config import (
     add_dataclass_args,
     dataclass_from_args,
     dataclass_to_args,
     dataclass_values,
 )
-from broker.codecs import Codec
-from broker.settings import RunSettings
+from broker.run.settings import RunSettings
+from broker.wire.codecs import Codec
 from compose.local import LocalConfig
 from learner.config import EvaluatorConfig, InitConfig, LearnerConfig
 from learner.model import ModelConfig

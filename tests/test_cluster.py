@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
-from broker.keys import REDIS_SYNCER, make_keys
-from broker.redis_access import SYNCER_USER
-from broker.settings import default_quorum
+from broker.identity.keys import REDIS_SYNCER
+from broker.redis.access import SYNCER_USER
+from broker.run.key_folder import make_keys
+from broker.run.settings import default_quorum
 from compose.throttle import parse_rate
 from tests.docker_env import (
     COMPOSE_DIR,

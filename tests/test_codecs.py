@@ -18,7 +18,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.codecs import LOSSLESS, QUANTS, Codec, CodecError
+from broker.wire.codecs import LOSSLESS, QUANTS, Codec, CodecError
 
 torch.set_num_threads(1)
 

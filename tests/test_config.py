@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from broker import config_checks
-from broker.codecs import Codec
+from broker import checks as config_checks
 from broker.connect import parse_url
-from broker.settings import NO_BROKER, RunSettings, default_quorum
+from broker.run.settings import NO_BROKER, RunSettings, default_quorum
+from broker.wire.codecs import Codec
 from learner.config import EvaluatorConfig, InitConfig, LearnerConfig, WorkloadConfig
 from learner.model import ModelConfig
 from syncer.config import OuterConfig, SyncerConfig
@@ -490,7 +490,7 @@ def test_local_runs_one_syncer_and_says_where_shards_run() -> None:
 
 
 def test_newcomers_join_a_decoupled_run_only_and_one_learner_starts_at_once() -> None:
-    from broker.settings import RunSettings
+    from broker.run.settings import RunSettings
     from compose.local import LocalConfig
 
     run = RunSettings(learners=4)

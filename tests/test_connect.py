@@ -15,14 +15,15 @@ import zmq
 from redis.connection import parse_url as redis_py_parse_url
 
 from broker.connect import BrokerUrl, connect_learner, connect_syncer, parse_url
-from broker.redis_common import GROUP, delta_stream_key
-from broker.redis_learner import RedisLearnerTransport
-from broker.redis_syncer import RedisSyncerTransport
+from broker.redis.common import GROUP, delta_stream_key
+from broker.redis.learner import RedisLearnerTransport
+from broker.redis.server import RedisServer
+from broker.redis.syncer import RedisSyncerTransport
 from broker.transport import Backpressure, Inbound, LearnerTransport, SyncerTransport
-from broker.wire import Delta
-from broker.zmq_transport import ZmqLearnerTransport, ZmqSyncerTransport, shard_endpoint
+from broker.wire.messages import Delta
+from broker.zmq.transport import ZmqLearnerTransport, ZmqSyncerTransport, shard_endpoint
 from compose.processes import free_port_pair
-from tests.servers import RedisServer, wait_until
+from tests.servers import wait_until
 
 RUN = "test"
 PLAN = "0123456789abcdef"

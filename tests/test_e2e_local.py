@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from broker.keys import make_keys
+from broker.redis.server import RedisServer
+from broker.run.key_folder import make_keys
 from compose.processes import free_port_pair
 from tests.attackers import Outcome, attack_live_redis_run, attack_live_run
-from tests.servers import RedisServer, wait_until
+from tests.servers import wait_until
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent

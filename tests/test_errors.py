@@ -18,7 +18,7 @@ import zmq
 from broker.connect import connect_learner, connect_syncer
 from broker.errors import ConfigError, DdilocoError, TransportError
 from broker.fragments import FragmentPlan, ParamSpec
-from broker.initial_model import write_initial_model
+from broker.run.initial_model import write_initial_model
 from broker.transport import SyncerTransport
 from compose import cli
 from tests.servers import run_keys
@@ -62,7 +62,9 @@ def test_every_exception_class_is_a_ddiloco_error(cls: type[BaseException]) -> N
 
 
 def test_the_old_homes_still_name_the_same_classes() -> None:
-    from broker import codecs, errors, transport, wire
+    from broker import errors, transport
+    from broker.wire import codecs
+    from broker.wire import messages as wire
 
     assert transport.TransportError is errors.TransportError
     assert transport.Backpressure is errors.Backpressure

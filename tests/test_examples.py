@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from broker.redis.server import RedisServer
 from compose.processes import free_port_pair
-from tests.servers import RedisServer
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent

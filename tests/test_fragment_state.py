@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from broker.codecs import Codec, apply_change
 from broker.errors import ConfigError
-from broker.settings import RunSettings
-from broker.wire import Delta, weights_checksum
+from broker.run.settings import RunSettings
+from broker.wire.codecs import Codec, apply_change
+from broker.wire.messages import Delta, weights_checksum
 from syncer.aggregation import rebased_weighted_mean
 from syncer.checkpoint import load_fragment, save_fragment
 from syncer.config import OuterConfig

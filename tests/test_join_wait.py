@@ -12,9 +12,9 @@ from torch import nn
 
 from broker.connect import connect_learner, connect_syncer
 from broker.fragments import FragmentPlan
-from broker.wire import GlobalFragment, weights_checksum
+from broker.redis.server import RedisServer, free_port
+from broker.wire.messages import GlobalFragment, weights_checksum
 from learner.join import GlobalDecoder, join_snapshot
-from tests.servers import RedisServer, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from broker.codecs import Codec, apply_change
-from broker.settings import RunSettings
-from broker.wire import Delta, weights_checksum
+from broker.run.settings import RunSettings
+from broker.wire.codecs import Codec, apply_change
+from broker.wire.messages import Delta, weights_checksum
 from syncer import kernels
 from syncer.aggregation import l2_norm
 from syncer.buffers import DeltaBuffers, PackedRows

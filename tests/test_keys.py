@@ -15,26 +15,32 @@ import torch
 import zmq
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from broker import wire
 from broker.errors import ConfigError
-from broker.keys import (
+from broker.identity.keys import (
     CURVE_SECRET,
     JOIN_SECRET,
     REDIS_ACL,
     SIGNING_KEY,
-    GlobalSigner,
-    GlobalVerifier,
     Identity,
     RunKeys,
     enroll_proof,
-    make_keys,
     revoke,
     rotate_curve_key,
     rotate_signing_key,
 )
-from broker.members import MAX_IDS_PER_KEY, Members
-from broker.wire import Delta, Enroll, GlobalFragment, Heartbeat, LeaseRequest, SnapshotRequest
-from broker.zmq_transport import ZmqLearnerTransport, ZmqSyncerTransport, pub_endpoint
+from broker.identity.members import MAX_IDS_PER_KEY, Members
+from broker.identity.signing import GlobalSigner, GlobalVerifier
+from broker.run.key_folder import make_keys
+from broker.wire import messages as wire
+from broker.wire.messages import (
+    Delta,
+    Enroll,
+    GlobalFragment,
+    Heartbeat,
+    LeaseRequest,
+    SnapshotRequest,
+)
+from broker.zmq.transport import ZmqLearnerTransport, ZmqSyncerTransport, pub_endpoint
 from compose import cli
 from tests.servers import wait_until
 from tests.test_zmq_transport import RUN, delta, endpoint, global_fragment

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from broker.redis.server import free_port
 from compose.processes import free_port_pair
-from tests.servers import free_port, run_keys
+from tests.servers import run_keys
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from broker.codecs import Codec, apply_change
 from broker.files import EventLog
 from broker.fragments import FragmentPlan, ParamSpec
 from broker.transport import LearnerTransport, TransportStats
-from broker.wire import Delta, GlobalFragment, Heartbeat, weights_checksum
+from broker.wire.codecs import Codec, apply_change
+from broker.wire.messages import Delta, GlobalFragment, Heartbeat, weights_checksum
 from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
 from learner.config import WorkloadConfig
 from learner.evaluator import DeferredEvaluations

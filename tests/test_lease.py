@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 import zmq
 
-from broker import wire
 from broker.connect import connect_learner, connect_syncer
-from broker.keys import Identity, RunKeys
-from broker.settings import RunSettings
+from broker.identity.keys import Identity, RunKeys
+from broker.redis.server import RedisServer, free_port
+from broker.run.settings import RunSettings
 from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, TransportError
-from broker.wire import LeaseRequest
+from broker.wire import messages as wire
+from broker.wire.messages import LeaseRequest
 from learner.lease import SlotLease, shard_of
-from tests.servers import RedisServer, free_port, run_keys, wait_until
+from tests.servers import run_keys, wait_until
 
 pytestmark = pytest.mark.integration
 RUN = "lease-test"

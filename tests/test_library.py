@@ -27,19 +27,20 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from broker.codecs import Codec
 from broker.fragments import FragmentPlan, synced_parameters
-from broker.initial_model import write_initial_model
-from broker.keys import RunKeys
-from broker.redis_access import SYNCER_USER
-from broker.redis_common import FIELD, changes_key, globals_stream_key, model_key
-from broker.settings import RunSettings
-from broker.wire import GlobalFragment, encode, weights_checksum
+from broker.identity.keys import RunKeys
+from broker.redis.access import SYNCER_USER
+from broker.redis.common import FIELD, changes_key, globals_stream_key, model_key
+from broker.redis.server import RedisServer, free_port
+from broker.run.initial_model import write_initial_model
+from broker.run.settings import RunSettings
+from broker.wire.codecs import Codec
+from broker.wire.messages import GlobalFragment, encode, weights_checksum
 from compose.processes import free_port_pair
 from learner.library import DecoupledDiLoCo, load_global_model
 from syncer.config import OuterConfig, SyncerConfig
 from syncer.service import Syncer
-from tests.servers import RedisServer, free_port, run_keys, wait_until
+from tests.servers import run_keys, wait_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent

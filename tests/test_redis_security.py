@@ -16,15 +16,16 @@ import pytest
 import redis
 from cryptography import x509
 
-from broker.keys import Identity, RunKeys, make_keys, revoke
-from broker.redis_access import (
+from broker.identity.keys import Identity, RunKeys, revoke
+from broker.identity.tls import REDIS_CERT, REDIS_KEY, TLS_CA, issue_redis_cert, redis_cert_hosts
+from broker.redis.access import (
     JOIN_USER,
     join_password,
     member_password,
     member_user,
     password_digest,
 )
-from broker.redis_common import (
+from broker.redis.common import (
     check_entry,
     delta_stream_key,
     globals_stream_key,
@@ -35,12 +36,13 @@ from broker.redis_common import (
     requests_key,
     roster_key,
 )
-from broker.redis_learner import RedisLearnerTransport
-from broker.redis_syncer import RedisSyncerTransport
-from broker.tls import REDIS_CERT, REDIS_KEY, TLS_CA, issue_redis_cert, redis_cert_hosts
+from broker.redis.learner import RedisLearnerTransport
+from broker.redis.server import RedisServer
+from broker.redis.syncer import RedisSyncerTransport
+from broker.run.key_folder import make_keys
 from broker.transport import TransportError, TransportStats
-from broker.wire import Delta, Heartbeat, decode
-from tests.servers import RedisServer, take_globals, wait_until
+from broker.wire.messages import Delta, Heartbeat, decode
+from tests.servers import take_globals, wait_until
 from tests.test_redis_transport import RUN, make_delta, make_global
 
 pytestmark = pytest.mark.integration
@@ -164,7 +166,7 @@ def test_a_redis_restart_keeps_every_delta_and_global_it_acknowledged(
     admin.close()
     # A Redis still holding the users of an earlier release's redis.acl: said at start.
     tls_server.client().execute_command("ACL", "SETUSER", "default", "resetchannels", "-@all")
-    with caplog.at_level(logging.ERROR, logger="broker.redis_syncer"):
+    with caplog.at_level(logging.ERROR, logger="broker.redis.syncer"):
         RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=syncer_keys).close()
     assert any("ddiloco keys acl" in r.getMessage() for r in caplog.records)
 

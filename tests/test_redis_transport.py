@@ -26,11 +26,10 @@ import pytest
 import redis
 import torch
 
-from broker import redis_deltas
-from broker.codecs import Codec, apply_change
 from broker.errors import ConfigError
-from broker.keys import RunKeys
-from broker.redis_common import (
+from broker.identity.keys import RunKeys
+from broker.redis import deltas as redis_deltas
+from broker.redis.common import (
     FIELD,
     GROUP,
     PART_FIELDS,
@@ -43,10 +42,12 @@ from broker.redis_common import (
     roster_key,
     weightless_key,
 )
-from broker.redis_learner import RedisLearnerTransport
-from broker.redis_syncer import RedisSyncerTransport
+from broker.redis.learner import RedisLearnerTransport
+from broker.redis.server import RedisServer
+from broker.redis.syncer import RedisSyncerTransport
 from broker.transport import Backpressure, Inbound, TransportError, TransportStats
-from broker.wire import (
+from broker.wire.codecs import Codec, apply_change
+from broker.wire.messages import (
     Delta,
     GlobalFragment,
     Heartbeat,
@@ -56,7 +57,7 @@ from broker.wire import (
     encode_parts,
     weights_checksum,
 )
-from tests.servers import RedisServer, run_keys, take_globals, wait_until
+from tests.servers import run_keys, take_globals, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -913,12 +914,12 @@ def test_a_syncer_warns_when_redis_runs_without_aof(
 ) -> None:
     client = redis.Redis.from_url(redis_server.url)
     client.config_set("appendonly", "no")
-    with caplog.at_level(logging.WARNING, logger="broker.redis_syncer"):
+    with caplog.at_level(logging.WARNING, logger="broker.redis.syncer"):
         RedisSyncerTransport(redis_server.url, "aof", consumer="s0", fragments=[0]).close()
     assert any("without AOF" in r.getMessage() for r in caplog.records)
     caplog.clear()
     client.config_set("appendonly", "yes")
-    with caplog.at_level(logging.WARNING, logger="broker.redis_syncer"):
+    with caplog.at_level(logging.WARNING, logger="broker.redis.syncer"):
         RedisSyncerTransport(redis_server.url, "aof", consumer="s0", fragments=[0]).close()
     assert not any("without AOF" in r.getMessage() for r in caplog.records)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks import scale
-from broker.settings import RunSettings
+from broker.run.settings import RunSettings
 from learner.data import BatchSampler, load_corpus
 from learner.model import GPT, ModelConfig
 

@@ -29,13 +29,14 @@ from typing import Any
 import pytest
 import torch
 
-from broker.codecs import Codec, apply_change
 from broker.connect import connect_learner
-from broker.keys import RunKeys
-from broker.redis_common import FIELD, globals_stream_key
-from broker.settings import RunSettings
+from broker.identity.keys import RunKeys
+from broker.redis.common import FIELD, globals_stream_key
+from broker.redis.server import RedisServer
+from broker.run.settings import RunSettings
 from broker.transport import LearnerTransport
-from broker.wire import Delta, GlobalFragment, Heartbeat, decode, weights_checksum
+from broker.wire.codecs import Codec, apply_change
+from broker.wire.messages import Delta, GlobalFragment, Heartbeat, decode, weights_checksum
 from compose.processes import free_port_pair
 from learner.config import WorkloadConfig
 from learner.library import MIN_QUEUED_BYTES
@@ -43,7 +44,7 @@ from learner.model import ModelConfig
 from learner.workload import write_initial
 from syncer.checkpoint import load_fragment, read_changes
 from syncer.config import CRASH_POINTS, SyncerConfig
-from tests.servers import RedisServer, run_keys, wait_until
+from tests.servers import run_keys, wait_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent

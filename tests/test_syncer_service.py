@@ -16,15 +16,16 @@ import redis
 import torch
 from prometheus_client import generate_latest
 
-from broker.codecs import Codec, apply_change
 from broker.errors import ConfigError
-from broker.keys import RunKeys
-from broker.redis_access import SYNCER_USER
-from broker.redis_common import resume_key
-from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
+from broker.identity.keys import RunKeys
+from broker.redis.access import SYNCER_USER
+from broker.redis.common import resume_key
+from broker.redis.server import RedisServer, free_port
+from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import Inbound
-from broker.wire import Delta, GlobalFragment, Heartbeat
-from broker.zmq_transport import ZmqLearnerTransport
+from broker.wire.codecs import Codec, apply_change
+from broker.wire.messages import Delta, GlobalFragment, Heartbeat
+from broker.zmq.transport import ZmqLearnerTransport
 from compose.processes import free_port_pair
 from learner.config import WorkloadConfig
 from learner.model import ModelConfig
@@ -32,7 +33,7 @@ from learner.workload import write_initial
 from syncer.checkpoint import fragment_path
 from syncer.config import OuterConfig, SyncerConfig
 from syncer.service import Syncer
-from tests.servers import RedisServer, free_port, run_keys, take_globals, wait_until
+from tests.servers import run_keys, take_globals, wait_until
 
 pytestmark = pytest.mark.integration
 TINY = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)

@@ -17,11 +17,13 @@ import pytest
 from broker.connect import lease_shard
 from broker.errors import TransportError
 from broker.fragments import owned_fragments, owner_shard
-from broker.keys import RunKeys, make_keys
-from broker.redis_common import shard_key, term_key
-from broker.redis_shards import ShardLease
+from broker.identity.keys import RunKeys
+from broker.redis.common import shard_key, term_key
+from broker.redis.server import RedisServer
+from broker.redis.shards import ShardLease
+from broker.run.key_folder import make_keys
 from syncer.service import _take_shard_folder
-from tests.servers import RedisServer, wait_until
+from tests.servers import wait_until
 
 RUN = "shards-test"
 TTL_S = 2.0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from broker.redis.server import free_port
 from compose.netns import LocalNetwork
 from compose.throttle import (
     IFB,
@@ -27,7 +28,7 @@ from compose.throttle import (
     parse_rate,
     set_commands,
 )
-from tests.servers import free_port, wait_until
+from tests.servers import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 needs_root = pytest.mark.skipif(

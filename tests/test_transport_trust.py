@@ -25,16 +25,17 @@ import pytest
 import redis
 import torch
 
-from broker.codecs import Codec
 from broker.connect import connect_learner, connect_syncer
 from broker.fragments import FragmentPlan, ParamSpec
-from broker.redis_common import FIELD, globals_stream_key, model_key
+from broker.redis.common import FIELD, globals_stream_key, model_key
+from broker.redis.server import RedisServer, free_port
 from broker.transport import Inbound, LearnerTransport, SyncerTransport
-from broker.wire import Delta, GlobalFragment, encode, weights_checksum
+from broker.wire.codecs import Codec
+from broker.wire.messages import Delta, GlobalFragment, encode, weights_checksum
 from learner.comm import CommThread, DeltaEncoder
 from learner.join import GlobalDecoder
 from syncer.fragment_state import canonical
-from tests.servers import RedisServer, free_port, take_globals, wait_until
+from tests.servers import take_globals, wait_until
 
 RUN = "trust"
 PLAN = FragmentPlan.build([ParamSpec("w", (4,), "float32")], 1, sync_every=4)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from broker.codecs import Codec
-from broker.wire import Delta
+from broker.wire.codecs import Codec
+from broker.wire.messages import Delta
 from syncer.aggregation import coordinate_median, trimmed_mean
 from syncer.fragment_state import ACCEPTED, FragmentState
 from syncer.trust import ReportLimits

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from broker.wire import Delta
+from broker.wire.messages import Delta
 from syncer.trust import (
     STEP_MARGIN,
     ReportLimits,

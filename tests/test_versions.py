@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from broker.codecs import Codec
+from broker.wire.codecs import Codec
 from syncer.aggregation import StaleDelta
 from syncer.versions import Versions, canonical
 

@@ -18,9 +18,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker import wire
-from broker.codecs import Codec
-from broker.wire import (
+from broker.wire import messages as wire
+from broker.wire.codecs import Codec
+from broker.wire.messages import (
     Ack,
     Delta,
     Enroll,

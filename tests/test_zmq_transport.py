@@ -18,12 +18,13 @@ import pytest
 import torch
 import zmq
 
-from broker import wire
-from broker.codecs import Codec
+from broker.redis.server import free_port
 from broker.transport import Backpressure
-from broker.wire import Delta, GlobalFragment, Heartbeat
-from broker.zmq_transport import ZmqLearnerTransport, ZmqSyncerTransport
-from tests.servers import free_port, take_globals, wait_until
+from broker.wire import messages as wire
+from broker.wire.codecs import Codec
+from broker.wire.messages import Delta, GlobalFragment, Heartbeat
+from broker.zmq.transport import ZmqLearnerTransport, ZmqSyncerTransport
+from tests.servers import take_globals, wait_until
 
 pytestmark = pytest.mark.integration
 RUN = "test"

@@ -20,7 +20,7 @@ import time
 import torch
 
 from broker.transport import SyncerTransport
-from broker.wire import Delta, GlobalFragment
+from broker.wire.messages import Delta, GlobalFragment
 
 PLAN_HASH = "0123456789abcdef"
 
@@ -41,8 +41,8 @@ def open_db(path: str) -> sqlite3.Connection:
 def make_transport(args: argparse.Namespace) -> SyncerTransport:
     fragments = [int(p) for p in args.fragments.split(",")]
     if args.backend == "redis":
-        from broker.keys import RunKeys
-        from broker.redis_syncer import RedisSyncerTransport
+        from broker.identity.keys import RunKeys
+        from broker.redis.syncer import RedisSyncerTransport
 
         return RedisSyncerTransport(
             args.url,
@@ -52,7 +52,7 @@ def make_transport(args: argparse.Namespace) -> SyncerTransport:
             claim_idle_s=args.claim_idle_s,
             keys=RunKeys.load(args.keys, "syncer") if args.keys else None,
         )
-    from broker.zmq_transport import ZmqSyncerTransport
+    from broker.zmq.transport import ZmqSyncerTransport
 
     return ZmqSyncerTransport(args.url, args.run, fragments=fragments)
 

@@ -1,7 +1,7 @@
 """A syncer's shard, leased from Redis, and the term that fences its writes.
 
 Every Redis syncer serves its shard under a lease: a key with a time to live
-(:func:`~broker.redis_common.shard_key`) naming its holder. With ``--shard
+(:func:`~broker.redis.common.shard_key`) naming its holder. With ``--shard
 auto`` it takes the lowest index nobody holds, under its host name and
 process id; in a container that is the container's id and 1, which survive a
 restart of the container, so a restarted syncer gets its own shard back at
@@ -13,7 +13,7 @@ runs out: on any host, since a syncer without a checkpoint rebuilds from the
 state Redis keeps (``Syncer._rebuild_from_broker``).
 
 Each new tenure of a shard's lease (a holder that did not hold it already)
-adds one to the shard's term (:func:`~broker.redis_common.term_key`), which
+adds one to the shard's term (:func:`~broker.redis.common.term_key`), which
 never goes down. The holder's writes that publish or acknowledge run in a
 transaction that watches the term (:class:`Fence`): once another syncer took
 the shard, the old holder's writes are refused and counted, and it stops,
@@ -37,7 +37,7 @@ import redis
 from redis.client import Pipeline
 
 from broker.errors import ConfigError, Fenced, TransportError
-from broker.redis_common import is_transient, shard_key, term_key, to_str
+from broker.redis.common import is_transient, shard_key, term_key, to_str
 
 log = logging.getLogger(__name__)
 

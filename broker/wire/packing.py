@@ -2,7 +2,7 @@
 
 Pure functions over tensors, no codec: ``bits`` says the width. int4 packs two
 codes per byte (low nibble first, stored as q + 8), int2 four (lowest bits
-first, stored as q + 2); see broker/codecs.py for the whole payload's layout.
+first, stored as q + 2); see broker/wire/codecs.py for the whole payload's layout.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ import logging
 import threading
 import time
 
-from broker.keys import RunKeys, proof_ok
+from broker.identity.keys import RunKeys, proof_ok
 from broker.transport import MAX_LEARNER_SLOTS, TransportStats, lease_request_ok, slot_of
-from broker.wire import Enroll, LeaseRequest
+from broker.wire.messages import Enroll, LeaseRequest
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Redis Streams backend of the transport (docs/transports.md): what both sides share.
 
-The learner side is :mod:`broker.redis_learner`, the syncer side
-:mod:`broker.redis_syncer`; both are built of the parts that write and read the
-delta streams (:mod:`broker.redis_deltas`) and the globals
-(:mod:`broker.redis_globals`). This module holds the keys, the frame checks, the
+The learner side is :mod:`broker.redis.learner`, the syncer side
+:mod:`broker.redis.syncer`; both are built of the parts that write and read the
+delta streams (:mod:`broker.redis.deltas`) and the globals
+(:mod:`broker.redis.globals`). This module holds the keys, the frame checks, the
 connection handling (:class:`RedisLink`) and the one retry loop both sides wait in.
 
 Keys of one run (``{run}`` is the run id, ``{l}`` a learner id, ``{p}`` a fragment)::
@@ -30,14 +30,14 @@ Keys of one run (``{run}`` is the run id, ``{l}`` a learner id, ``{p}`` a fragme
     ddiloco:{run}:weightless:{p}  hash     the latest version's weights checksum and
                                            its frame without weights
     ddiloco:{run}:shard:{s}       string   the holder of syncer shard s's lease
-                                           (:mod:`broker.redis_shards`)
+                                           (:mod:`broker.redis.shards`)
 
 A learner writes only keys named after itself; with the run's keys each
 enrolled key is a Redis ACL user that may write only those
-(:mod:`broker.redis_access`).
+(:mod:`broker.redis.access`).
 
-Every stream entry holds one :mod:`broker.wire` frame: deltas in the three
-fields ``h``, ``p``, ``c`` (the parts of :func:`broker.wire.encode_parts`, so a
+Every stream entry holds one :mod:`broker.wire.messages` frame: deltas in the three
+fields ``h``, ``p``, ``c`` (the parts of :func:`broker.wire.messages.encode_parts`, so a
 learner sends its payload without copying it into a frame first), everything
 else whole in the field ``m``. A reader takes either form.
 
@@ -91,10 +91,10 @@ from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.retry import Retry
 
 from broker.transport import TransportError, TransportStats
-from broker.wire import Message, WireError, decode, decode_parts, encode, encode_parts
+from broker.wire.messages import Message, WireError, decode, decode_parts, encode, encode_parts
 
 if TYPE_CHECKING:
-    from broker.keys import RunKeys
+    from broker.identity.keys import RunKeys
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ _TAIL_POLL_S = 0.02
 # restarting, loading its AOF, out of memory, or failing to write its AOF.
 # With the run's keys also a refused user or command (AUTH, NOPERM): a learner
 # whose ACL user the syncer has not made, or widened to its learner id, yet; it
-# enrolls again and waits (broker.redis_learner).
+# enrolls again and waits (broker.redis.learner).
 _TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     redis.ConnectionError,
     redis.exceptions.NoPermissionError,

@@ -13,10 +13,10 @@
                        (``ddiloco keys revoke ID``; syncers read it)
     tls.ca.crt, tls.ca.key, redis.crt, redis.key
                        the run's CA and the Redis server's certificate, for
-                       ``rediss://`` (:mod:`broker.tls`)
+                       ``rediss://`` (:mod:`broker.identity.tls`)
     redis.syncer       the syncers' Redis password, hex            (syncers only)
     redis.acl          the Redis users a run starts with: the file Redis loads
-                       (``--aclfile``; :mod:`broker.redis_access`)
+                       (``--aclfile``; :mod:`broker.redis.access`)
 
 A learner's identity is its own key pair, made when it starts (kept in its
 ``state_dir`` when it has one, so a restart is the same learner): it enrolls
@@ -24,10 +24,9 @@ with a proof made from the join secret (:func:`enroll_proof`), and the syncer
 binds its learner id and slot to that key. Replicas of one service share
 their mounts, so identity cannot be a file handed to each of them.
 
-Globals are signed (:class:`GlobalSigner`) by every syncer of the run with
-the one run signing key, and learners check each one (:class:`GlobalVerifier`)
-before anything is applied. Rotation adds a key to ``signing.pub`` first,
-then replaces ``signing.key``: learners accept every key listed.
+Globals are signed with the one run signing key by every syncer of the run,
+and learners check each one before anything is applied
+(:mod:`broker.identity.signing`).
 """
 
 from __future__ import annotations
@@ -38,12 +37,10 @@ import logging
 import secrets
 import stat
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-import msgpack
 import zmq
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
@@ -53,8 +50,7 @@ from zmq.utils import z85
 
 from broker.errors import ConfigError
 from broker.files import write_private
-from broker.tls import TLS_CA, make_tls
-from broker.wire import GlobalFragment
+from broker.identity.tls import TLS_CA, make_tls
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +76,6 @@ NEEDED = {
     "reader": (JOIN_SECRET, CURVE_PUBLIC, SIGNING_PUBLIC),
 }
 _PUBLIC_FILES = (CURVE_PUBLIC, SIGNING_PUBLIC, TLS_CA)  # may be readable by others
-_DIGEST_DOMAIN = b"ddiloco global v1\0"
 _ENROLL_DOMAIN = b"ddiloco enroll v1\0"
 _MAX_KEY_FILE_BYTES = 64 * 1024
 
@@ -153,9 +148,11 @@ def _raw_private(key: Ed25519PrivateKey) -> bytes:
     )
 
 
-def make_keys(folder: str | Path, *, overwrite: bool = False) -> Path:
-    """Make a run's key folder (0700, every file 0600); refuses to replace one
-    unless ``overwrite``: the keys of a running run must rotate, not vanish."""
+def make_key_files(folder: str | Path, *, overwrite: bool = False) -> Path:
+    """Make a run's key files and TLS certificates (0700, every file 0600): all
+    but ``redis.acl`` (:func:`broker.run.key_folder.make_keys` makes the folder
+    whole); refuses to replace one unless ``overwrite``: the keys of a running
+    run must rotate, not vanish."""
     out = Path(folder)
     if (out / JOIN_SECRET).exists() and not overwrite:
         raise ConfigError(f"{out} holds a run's keys already; rotate them (`ddiloco keys rotate`)")
@@ -170,24 +167,8 @@ def make_keys(folder: str | Path, *, overwrite: bool = False) -> Path:
     write_private(out / SIGNING_KEY, _raw_private(signing).hex() + "\n")
     write_private(out / SIGNING_PUBLIC, _raw_public(signing).hex() + "\n")
     write_private(out / REVOKED, "")
-    write_redis_acl(out)
     make_tls(out)
     return out
-
-
-def write_redis_acl(folder: str | Path) -> Path:
-    """Write ``redis.acl`` from the folder's syncer password and join secret
-    (again, for a folder made by an earlier release: its default user's rules
-    lost transactions at a Redis restart, :data:`broker.redis_access.DEFAULT_USER_RULES`)."""
-    from broker.redis_access import acl_file  # it names keys of broker.redis_common
-
-    out = Path(folder)
-    keys = RunKeys.load(out, "syncer")
-    assert keys.redis_password is not None, "a syncer's keys"
-    lines = acl_file(keys.redis_password, keys.join_secret)
-    # Digests only, and read by the Redis server's own user: not 0600.
-    write_private(out / REDIS_ACL, "".join(f"{line}\n" for line in lines), mode=0o644)
-    return out / REDIS_ACL
 
 
 def rotate_signing_key(folder: str | Path) -> str:
@@ -357,7 +338,8 @@ def identity_path(run_id: str, name: str) -> Path:
 
 
 def curve_key_hex(z85_key: bytes | str) -> str:
-    """A z85 CURVE key (as ZeroMQ's ZAP names it) in the hex of :class:`~broker.wire.Enroll`."""
+    """A z85 CURVE key (as ZeroMQ's ZAP names it) in the hex of an
+    :class:`~broker.wire.messages.Enroll`."""
     raw = z85_key.encode() if isinstance(z85_key, str) else z85_key
     return z85.decode(raw).hex()
 
@@ -370,21 +352,6 @@ def enroll_proof(join_secret: bytes, run_id: str, key_hex: str, role: str) -> st
 
 def proof_ok(join_secret: bytes, run_id: str, key_hex: str, role: str, proof: str) -> bool:
     return hmac.compare_digest(enroll_proof(join_secret, run_id, key_hex, role), proof)
-
-
-# -- signed globals ---------------------------------------------------------
-_SIGNED_FIELDS = tuple(
-    f.name for f in fields(GlobalFragment) if f.name not in ("payload", "signature")
-)
-
-
-def signing_digest(g: GlobalFragment) -> bytes:
-    """SHA-256 over every field of ``g`` but the signature, and the payload's
-    SHA-256: what the signature covers."""
-    values = [g.codec.name if name == "codec" else getattr(g, name) for name in _SIGNED_FIELDS]
-    head = msgpack.packb(values, use_bin_type=True)
-    payload = hashlib.sha256(g.payload).digest()
-    return hashlib.sha256(_DIGEST_DOMAIN + head + payload).digest()
 
 
 class FileWatch:
@@ -416,64 +383,3 @@ class FileWatch:
             return False
         self._stamp = stamp
         return True
-
-
-class GlobalSigner:
-    """Signs every global a syncer publishes with the run's signing key. A
-    rotated key (``ddiloco keys rotate``) is taken up without a restart: the
-    key file is looked at (a stat) at most every ``recheck_s``."""
-
-    def __init__(self, keys: RunKeys, recheck_s: float = 1.0) -> None:
-        if keys.signing_key is None:
-            raise ConfigError(f"{keys.folder}: a syncer needs {SIGNING_KEY}")
-        self._keys = keys
-        self.watch = FileWatch(keys.folder / SIGNING_KEY, recheck_s)
-
-    def sign(self, g: GlobalFragment) -> GlobalFragment:
-        self._take_up_rotation()
-        assert self._keys.signing_key is not None
-        return replace(g, signature=self._keys.signing_key.sign(signing_digest(g)).hex())
-
-    def _take_up_rotation(self) -> None:
-        keys = self._keys.rotated(self.watch, "signing key")
-        if keys is not None:
-            self._keys = keys
-            log.warning("signing with the rotated key in %s", keys.folder)
-
-
-class GlobalVerifier:
-    """Checks globals against the keys in ``signing.pub``. The list is read again
-    (at most every ``reread_s``) when a signature fails: a rotation adds the new
-    key to the list before any syncer signs with it."""
-
-    def __init__(self, keys: RunKeys, reread_s: float = 5.0) -> None:
-        self._keys = keys
-        self._reread_s = reread_s
-        self._last_read = 0.0
-
-    def verify(self, g: GlobalFragment) -> bool:
-        if not g.signature:
-            return False
-        digest = signing_digest(g)
-        signature = bytes.fromhex(g.signature)
-        if self._any_key(digest, signature):
-            return True
-        now = time.monotonic()
-        if now - self._last_read >= self._reread_s:
-            self._last_read = now
-            try:
-                self._keys = self._keys.reloaded()
-            except ConfigError as e:
-                log.warning("signing keys not re-read: %s", e)
-                return False
-            return self._any_key(digest, signature)
-        return False
-
-    def _any_key(self, digest: bytes, signature: bytes) -> bool:
-        for key in reversed(self._keys.verify_keys):  # the newest first
-            try:
-                key.verify(signature, digest)
-            except InvalidSignature:
-                continue
-            return True
-        return False

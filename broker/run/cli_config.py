@@ -3,7 +3,7 @@
 Every field ``foo_bar`` becomes ``--foo-bar`` with the environment variable
 ``DDILOCO_FOO_BAR`` as its default (that is how docker compose configures the
 services). A field whose type is itself a dataclass (the shared
-:class:`~broker.settings.RunSettings`, the workload, the model) is flattened
+:class:`~broker.run.settings.RunSettings`, the workload, the model) is flattened
 into its parent, its flags prefixed with the field's ``flag_prefix`` metadata
 (``--model-d-model``), so a setting has the same flag in every command that
 has it. Values are validated by the dataclasses themselves, so a bad flag
@@ -23,8 +23,8 @@ import typing
 from collections.abc import Iterator
 from typing import Any, TypeVar, Union
 
-from broker.codecs import Codec, CodecError
 from broker.errors import ConfigError
+from broker.wire.codecs import Codec, CodecError
 
 T = TypeVar("T")
 ENV_PREFIX = "DDILOCO_"

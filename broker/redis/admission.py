@@ -2,15 +2,15 @@
 
 Learners write requests to the run's requests stream (with the run's keys, as
 the ``ddiloco-join`` user, who may do nothing else): an
-:class:`~broker.wire.Enroll` names the learner's key (its Redis password's
+:class:`~broker.wire.messages.Enroll` names the learner's key (its Redis password's
 digest), its role and the learner id it will send as; a
-:class:`~broker.wire.LeaseRequest` asks for a learner slot. The syncer that
-owns fragment 0 takes them (:data:`~broker.redis_common.TAKE_BOUNDED`: no
+:class:`~broker.wire.messages.LeaseRequest` asks for a learner slot. The syncer that
+owns fragment 0 takes them (:data:`~broker.redis.common.TAKE_BOUNDED`: no
 request larger than :data:`MAX_REQUEST_BYTES` leaves the server), applies the
-rules of :class:`~broker.members.Members` and
-:class:`~broker.members.SlotLeases` (the same as over ZeroMQ), and then:
+rules of :class:`~broker.identity.members.Members` and
+:class:`~broker.identity.members.SlotLeases` (the same as over ZeroMQ), and then:
 
-* makes or updates the key's ACL user (:func:`~broker.redis_access.member_rules`):
+* makes or updates the key's ACL user (:func:`~broker.redis.access.member_rules`):
   a learner may write only the keys of the learner ids bound to its key;
 * answers a lease request, or a refused enrollment, in the key's grant;
 * lists each admitted learner id in the roster, which every syncer reads to
@@ -30,10 +30,10 @@ from typing import Any, cast
 
 import redis
 
-from broker.keys import RunKeys
-from broker.members import MAX_MEMBERS, Members, SlotLeases
-from broker.redis_access import member_rules, member_user
-from broker.redis_common import (
+from broker.identity.keys import RunKeys
+from broker.identity.members import MAX_MEMBERS, Members, SlotLeases
+from broker.redis.access import member_rules, member_user
+from broker.redis.common import (
     BOUNDED_XADD,
     SNAPSHOTS_UNLESS_HELD,
     STREAM_TRIMMED_PAST,
@@ -44,7 +44,7 @@ from broker.redis_common import (
     roster_key,
 )
 from broker.transport import TransportStats, learner_id_of
-from broker.wire import Enroll, LeaseRequest
+from broker.wire.messages import Enroll, LeaseRequest
 
 log = logging.getLogger(__name__)
 

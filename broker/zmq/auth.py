@@ -6,10 +6,10 @@ thread of the syncer, asked by ZeroMQ at each handshake) admits:
 
 * on the request socket (ROUTER), any key that is not revoked: a learner must
   be able to reach the syncer to enroll, and nothing but an
-  :class:`~broker.wire.Enroll` is taken from a key that has not;
+  :class:`~broker.wire.messages.Enroll` is taken from a key that has not;
 * on the globals socket (PUB), enrolled keys only: the weights go to members.
 
-ZAP is asked at handshake only, so :class:`~broker.members.Members` is checked
+ZAP is asked at handshake only, so :class:`~broker.identity.members.Members` is checked
 again for each message (``check``): a key revoked since, or one claiming
 another learner's id, is refused there.
 """
@@ -22,8 +22,8 @@ import time
 import zmq
 from zmq.utils import z85
 
-from broker.keys import curve_key_hex
-from broker.members import Members
+from broker.identity.keys import curve_key_hex
+from broker.identity.members import Members
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 REQUESTS_DOMAIN = b"ddiloco-requests"

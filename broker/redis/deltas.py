@@ -10,7 +10,7 @@ a dead consumer left (XAUTOCLAIM after ``claim_idle_s``), reads new ones with
 XREADGROUP and XACKs what the caller acks. :class:`DeltaTrimmer` trims the
 streams below what any group still needs and reports the entries the learners'
 stream bound dropped unread. The syncer's parts raise redis's errors: the
-transport (:mod:`broker.redis_syncer`) retries.
+transport (:mod:`broker.redis.syncer`) retries.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import redis
 
-from broker.redis_common import (
+from broker.redis.common import (
     BOUNDED_XADD,
     CLAIM_BOUNDED,
     GROUP,
@@ -41,9 +41,9 @@ from broker.redis_common import (
     to_str,
     trimmed_key,
 )
-from broker.redis_shards import Fence, execute, transaction
+from broker.redis.shards import Fence, execute, transaction
 from broker.transport import Backpressure, Inbound, TransportStats
-from broker.wire import Delta
+from broker.wire.messages import Delta
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ to zero; with error feedback (the learner's residual, the syncer's
 ``master - version``) what a message leaves out goes out later, as in SparseLoCo.
 
 :class:`Codec` is the spec (settings, name, sizes); the work is done by its
-parts: the quantisers in broker/quantise.py (codes packed by broker/packing.py)
-and the lossless stage in broker/lossless.py.
+parts: the quantisers in broker/wire/quantise.py (codes packed by broker/wire/packing.py)
+and the lossless stage in broker/wire/lossless.py.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from typing import cast
 
 import torch
 
-from broker import lossless as _lossless
 from broker.errors import CodecError as CodecError  # re-exported: defined in broker.errors
-from broker.lossless import Lossless as Lossless
-from broker.packing import Buffer as Buffer
-from broker.quantise import Quant as Quant
-from broker.quantise import Quantiser, quantiser
+from broker.wire import lossless as _lossless
+from broker.wire.lossless import Lossless as Lossless
+from broker.wire.packing import Buffer as Buffer
+from broker.wire.quantise import Quant as Quant
+from broker.wire.quantise import Quantiser, quantiser
 
 QUANTS: tuple[Quant, ...] = ("fp32", "bf16", "int8", "int4", "int2")
 LOSSLESS: tuple[Lossless, ...] = ("none", "zstd", "lz4")

@@ -15,7 +15,7 @@ With the run's keys Redis runs with ``default`` off (see
 
 ``ddiloco keys`` writes the first three into ``redis.acl``, the file Redis
 loads (``--aclfile``). A learner's password is derived from its own identity
-(:class:`broker.keys.Identity`), and its key is the password's SHA-256: the
+(:class:`broker.identity.keys.Identity`), and its key is the password's SHA-256: the
 digest Redis keeps (``#digest``) is all the syncer learns, so nobody but the
 learner can authenticate as it. Commands are listed one by one: a member can
 run only the scripts a syncer loaded (EVALSHA, never EVAL or SCRIPT LOAD), so
@@ -27,11 +27,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+from pathlib import Path
 
 import redis
 
-from broker.keys import RunKeys
-from broker.redis_common import (
+from broker.files import write_private
+from broker.identity.keys import REDIS_ACL, RunKeys
+from broker.redis.common import (
     changes_key,
     connect,
     delta_stream_key,
@@ -101,6 +103,19 @@ def acl_file(syncer_password: str, join_secret: bytes) -> list[str]:
         f"user {JOIN_USER} on #{password_digest(join_password(join_secret))} "
         f"{join_rules} %W~{requests_key('*')}",
     ]
+
+
+def write_acl_file(folder: str | Path) -> Path:
+    """Write ``redis.acl`` from the folder's syncer password and join secret
+    (again, for a folder made by an earlier release: its default user's rules
+    lost transactions at a Redis restart, :data:`DEFAULT_USER_RULES`)."""
+    out = Path(folder)
+    keys = RunKeys.load(out, "syncer")
+    assert keys.redis_password is not None, "a syncer's keys"
+    lines = acl_file(keys.redis_password, keys.join_secret)
+    # Digests only, and read by the Redis server's own user: not 0600.
+    write_private(out / REDIS_ACL, "".join(f"{line}\n" for line in lines), mode=0o644)
+    return out / REDIS_ACL
 
 
 def member_rules(

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from broker.codecs import Codec
-from broker.config_checks import check_id, check_positive, require
+from broker.checks import check_id, check_positive, require
 from broker.connect import parse_url
-from broker.keys import RunKeys
+from broker.identity.keys import RunKeys
+from broker.wire.codecs import Codec
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class RunSettings:
     run_id: str = "default"  # names the run's keys and messages; runs on one broker differ
     # Where the broker is. ZeroMQ: the syncers, one endpoint per shard
     # (zmq://host:port[,host:port...], in shard order), or one endpoint for all:
-    # shard s at port + 2s on each address of the host (broker.zmq_transport).
+    # shard s at port + 2s on each address of the host (broker.zmq.transport).
     # Redis: redis://, rediss:// or unix://. Backend options travel as query
     # parameters (zmq://h:5555?ack_timeout_s=2).
     url: str = "zmq://127.0.0.1:5555"  # the broker: zmq://HOST:PORT or redis://HOST:PORT/DB

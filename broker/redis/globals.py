@@ -10,8 +10,8 @@ append-only file. A learner's :class:`GlobalsReader` follows the globals stream,
 reading its notices stream (:class:`NoticeReader`) in the same blocking XREAD,
 and falls back to the snapshot keys (:class:`SnapshotKeys`) when it has no base,
 sees a gap or finds the stream trimmed past its read position. Reads raise
-redis's errors: the transports (:mod:`broker.redis_syncer`,
-:mod:`broker.redis_learner`) retry.
+redis's errors: the transports (:mod:`broker.redis.syncer`,
+:mod:`broker.redis.learner`) retry.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from typing import Any, cast
 import redis
 from redis.typing import KeyT, StreamIdT
 
-from broker.codecs import apply_change
-from broker.keys import GlobalSigner, GlobalVerifier
-from broker.redis_common import (
+from broker.identity.signing import GlobalSigner, GlobalVerifier
+from broker.redis.common import (
     FIELD,
     SNAPSHOTS_UNLESS_HELD,
     STREAM_TRIMMED_PAST,
@@ -49,9 +48,10 @@ from broker.redis_common import (
     to_str,
     weightless_key,
 )
-from broker.redis_shards import Fence, execute, transaction
+from broker.redis.shards import Fence, execute, transaction
 from broker.transport import TransportStats, candidate_order
-from broker.wire import GlobalFragment, Refusal, WireError, weights_checksum
+from broker.wire.codecs import apply_change
+from broker.wire.messages import GlobalFragment, Refusal, WireError, weights_checksum
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +354,7 @@ class GlobalCheck:
 class SnapshotKeys:
     """The latest global of each fragment, read from its snapshot keys: the
     weights of a recent version and the changes published since, applied here
-    (:func:`broker.codecs.apply_change`, bit for bit as a learner following
+    (:func:`broker.wire.codecs.apply_change`, bit for bit as a learner following
     the stream applies them, and checked against the checksum the latest one
     names)."""
 

@@ -1,16 +1,16 @@
 """Syncer side of the Redis Streams transport (docs/transports.md).
 
 Keys, the delivery contract and the connection handling both sides share are in
-:mod:`broker.redis_common`. A syncer is one consumer of the group ``syncers`` on
+:mod:`broker.redis.common`. A syncer is one consumer of the group ``syncers`` on
 the delta streams of the fragments it owns, one stream per fragment and
 learner of the roster: it re-reads its own pending entries, takes over those
 a dead consumer left (XAUTOCLAIM after ``claim_idle_s``), reads new ones with
 XREADGROUP, XACKs what the caller acks and trims the streams below what any
-group still needs (:mod:`broker.redis_deltas`). It reads the roster's
+group still needs (:mod:`broker.redis.deltas`). It reads the roster's
 heartbeat keys, each in bounded form, and publishes each new global to its
 snapshot keys and the globals stream at once (its weights every
-``snapshot_every`` versions, :mod:`broker.redis_globals`). The syncer that owns fragment 0
-also admits learners (:mod:`broker.redis_admission`).
+``snapshot_every`` versions, :mod:`broker.redis.globals`). The syncer that owns fragment 0
+also admits learners (:mod:`broker.redis.admission`).
 
 Connection errors never escape, not even from ``publish``: the newest
 unpublished global of each fragment stays queued until redis is back.
@@ -27,11 +27,12 @@ from typing import Any, cast
 import redis
 
 from broker.errors import ConfigError
-from broker.keys import GlobalSigner, GlobalVerifier, RunKeys
-from broker.members import MAX_MEMBERS
-from broker.redis_access import SYNCER_USER, lock_down_if_open
-from broker.redis_admission import Admission
-from broker.redis_common import (
+from broker.identity.keys import RunKeys
+from broker.identity.members import MAX_MEMBERS
+from broker.identity.signing import GlobalSigner, GlobalVerifier
+from broker.redis.access import SYNCER_USER, lock_down_if_open
+from broker.redis.admission import Admission
+from broker.redis.common import (
     FIELD,
     GROUP,
     NOTICES_MAXLEN,
@@ -47,12 +48,12 @@ from broker.redis_common import (
     roster_key,
     to_str,
 )
-from broker.redis_deltas import DeltaReader, DeltaTrimmer, Token
-from broker.redis_globals import GlobalCheck, GlobalsPublisher, SnapshotKeys
-from broker.redis_shards import Fence, execute, transaction
-from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
+from broker.redis.deltas import DeltaReader, DeltaTrimmer, Token
+from broker.redis.globals import GlobalCheck, GlobalsPublisher, SnapshotKeys
+from broker.redis.shards import Fence, execute, transaction
+from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import MAX_LEARNER_SLOTS, Inbound, SyncerTransport, TransportStats
-from broker.wire import Delta, GlobalFragment, Heartbeat, Refusal
+from broker.wire.messages import Delta, GlobalFragment, Heartbeat, Refusal
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def warn_unless_durable(client: redis.Redis, consumer: str) -> None:
     """Acknowledged deltas are only as durable as Redis: without an append-only
     file a Redis restart loses them, and so does a default user that may not
     write (Redis 7.0 replays the file's transactions as that user and drops
-    what it may not run: :data:`broker.redis_access.DEFAULT_USER_RULES`).
+    what it may not run: :data:`broker.redis.access.DEFAULT_USER_RULES`).
     Said once, loudly, at start."""
     try:
         # redis-py decodes CONFIG GET replies to text whatever decode_responses says.
@@ -145,8 +146,8 @@ def _check_syncer_user(client: redis.Redis, url: str) -> None:
 
 class RedisSyncerTransport(SyncerTransport):
     """Syncer side: a consumer of group ``syncers`` on the owned fragments' delta
-    streams (:class:`~broker.redis_deltas.DeltaReader`, trimmed by
-    :class:`~broker.redis_deltas.DeltaTrimmer`); reads the learners' heartbeats
+    streams (:class:`~broker.redis.deltas.DeltaReader`, trimmed by
+    :class:`~broker.redis.deltas.DeltaTrimmer`); reads the learners' heartbeats
     (:class:`HeartbeatRoster`) and publishes globals to the globals stream and the
     snapshot keys (:class:`GlobalsPublisher`)."""
 

@@ -14,14 +14,14 @@ address. Only the replica that holds shard s listens on its port, so each
 DEALER has one live peer.
 
 Deltas and globals travel as three-part messages, the parts of
-:func:`broker.wire.encode_parts` (prefix and header, payload, checksum), so a
+:func:`broker.wire.messages.encode_parts` (prefix and header, payload, checksum), so a
 fragment is sent from the caller's buffer and received into one without a
 copy; everything else is one frame. Under CURVE the payload goes in 1 MiB
 frames, joined again on receipt (see ``_CURVE_FRAME_BYTES``). Every message is
 received frame by frame within a bound of parts and bytes.
 
 Why these sockets: PUSH would block at its high-water mark and PUB silently
-drops, so deltas go DEALER -> ROUTER with an explicit :class:`~broker.wire.Ack`
+drops, so deltas go DEALER -> ROUTER with an explicit :class:`~broker.wire.messages.Ack`
 from the syncer once the update is durable, and the learner resends anything
 unacknowledged after ``ack_timeout_s`` (the syncer de-duplicates). Globals are
 full fragment weights, so PUB's drops are harmless as long as they are
@@ -49,23 +49,21 @@ from typing import Any
 
 import zmq
 
-from broker import wire
-from broker.config_checks import check_positive, require
+from broker.checks import check_positive, require
 from broker.errors import ConfigError
 from broker.fragments import owner_shard
-from broker.keys import (
+from broker.identity.keys import (
     CURVE_PUBLIC,
     CURVE_SECRET,
     FileWatch,
-    GlobalSigner,
-    GlobalVerifier,
     Identity,
     RunKeys,
     curve_key_hex,
     enroll_proof,
 )
-from broker.members import Members, SlotLeases
-from broker.settings import GONE_AFTER_HEARTBEATS, RunSettings
+from broker.identity.members import Members, SlotLeases
+from broker.identity.signing import GlobalSigner, GlobalVerifier
+from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import (
     MAX_LEARNER_SLOTS,
     Backpressure,
@@ -78,7 +76,8 @@ from broker.transport import (
     learner_id_of,
     lease_request_ok,
 )
-from broker.wire import (
+from broker.wire import messages as wire
+from broker.wire.messages import (
     Ack,
     Delta,
     Enroll,
@@ -90,7 +89,7 @@ from broker.wire import (
     SnapshotRequest,
     WireError,
 )
-from broker.zmq_auth import GLOBALS_DOMAIN, REQUESTS_DOMAIN, ZapHandler
+from broker.zmq.auth import GLOBALS_DOMAIN, REQUESTS_DOMAIN, ZapHandler
 
 log = logging.getLogger(__name__)
 GLOBALS_TOPIC = b"g"
@@ -117,7 +116,7 @@ _JOIN_MAX_RETRY_S = 2.0
 # or a syncer restarting) is tried again this soon, without backing off: the
 # backoff is for requests that went out, whose answers are whole fragments.
 _UNSENT_RETRY_S = 0.02
-# Refusals of who we are, not of a delta's content (broker/zmq_auth.py).
+# Refusals of who we are, not of a delta's content (broker/zmq/auth.py).
 _IDENTITY_REFUSALS = {
     "identity_taken": "another key holds this learner id; give this learner another id",
     "revoked": "this learner was revoked (ddiloco keys revoke)",

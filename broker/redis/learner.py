@@ -1,15 +1,15 @@
 """Learner side of the Redis Streams transport (docs/transports.md).
 
 Keys, the delivery contract and the connection handling both sides share are in
-:mod:`broker.redis_common`. A learner XADDs its deltas to its own delta stream
-of their fragment (:class:`~broker.redis_deltas.DeltaQueue`), SETs its
+:mod:`broker.redis.common`. A learner XADDs its deltas to its own delta stream
+of their fragment (:class:`~broker.redis.deltas.DeltaQueue`), SETs its
 heartbeat key, XREADs the globals stream and GETs the snapshot keys when it
-has no base or sees a gap (:class:`~broker.redis_globals.GlobalsReader`).
+has no base or sees a gap (:class:`~broker.redis.globals.GlobalsReader`).
 
-It enrolls on the run's requests stream (:mod:`broker.redis_admission`): at
+It enrolls on the run's requests stream (:mod:`broker.redis.admission`): at
 start, naming its key and role, and again, naming its learner id, once it
 first acts as that learner (a delta, a heartbeat or a poll). With the run's
-keys it is then its own ACL user (:mod:`broker.redis_access`): until the
+keys it is then its own ACL user (:mod:`broker.redis.access`): until the
 syncer made that user, or whenever Redis refuses it (a restarted Redis knows
 no members), it enrolls again, at most every second, and retries as after a
 connection error. A learner slot is asked for on the requests stream too,
@@ -30,16 +30,17 @@ from typing import Any
 import redis
 
 from broker.errors import ConfigError
-from broker.keys import GlobalVerifier, Identity, RunKeys, enroll_proof
-from broker.redis_access import (
+from broker.identity.keys import Identity, RunKeys, enroll_proof
+from broker.identity.signing import GlobalVerifier
+from broker.redis.access import (
     JOIN_USER,
     join_password,
     member_password,
     member_user,
     password_digest,
 )
-from broker.redis_admission import MAX_REQUEST_BYTES, REQUESTS_MAXLEN
-from broker.redis_common import (
+from broker.redis.admission import MAX_REQUEST_BYTES, REQUESTS_MAXLEN
+from broker.redis.common import (
     FIELD,
     RedisLink,
     connect,
@@ -49,10 +50,10 @@ from broker.redis_common import (
     is_transient,
     requests_key,
 )
-from broker.redis_deltas import DeltaQueue
-from broker.redis_globals import GlobalCheck, GlobalsReader, NoticeReader, SnapshotKeys
+from broker.redis.deltas import DeltaQueue
+from broker.redis.globals import GlobalCheck, GlobalsReader, NoticeReader, SnapshotKeys
 from broker.transport import LearnerTransport, TransportError, lease_request_ok
-from broker.wire import Delta, Enroll, GlobalFragment, Heartbeat, LeaseRequest
+from broker.wire.messages import Delta, Enroll, GlobalFragment, Heartbeat, LeaseRequest
 
 log = logging.getLogger(__name__)
 

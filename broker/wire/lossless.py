@@ -1,7 +1,7 @@
 """The lossless stage after quantisation: zstd, lz4 or none.
 
 Pure functions of the stage's name. Errors are :class:`CodecError` without the
-codec's name; :class:`broker.codecs.Codec` puts its name in front.
+codec's name; :class:`broker.wire.codecs.Codec` puts its name in front.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import lz4.frame
 import zstandard
 
 from broker.errors import CodecError
-from broker.packing import Buffer
+from broker.wire.packing import Buffer
 
 Lossless = Literal["none", "zstd", "lz4"]
 # Quantised codes hold few repeats: what zstd gains on them is its entropy

@@ -4,13 +4,13 @@ One class per family, each with its own settings and no codec: :class:`Plain`
 (fp32, bf16), :class:`Dense` (blockwise int8, int4, int2) and :class:`Sparse`
 (blockwise top-k), sharing :class:`Levels` (a quantisation's codes and scales).
 :func:`quantiser` picks one for a codec's settings. The payload layouts, and
-why the scales are what they are, are in broker/codecs.py; the syncer's
+why the scales are what they are, are in broker/wire/codecs.py; the syncer's
 compiled close (syncer/kernels.py) writes the same int2 bytes as
-:meth:`Levels.scaled_codes` and :func:`broker.packing.pack`.
+:meth:`Levels.scaled_codes` and :func:`broker.wire.packing.pack`.
 
 Decoding trusts nothing but the payload's size (checked by the caller); a
 payload it refuses raises :class:`CodecError` without the codec's name, which
-:class:`broker.codecs.Codec` puts in front.
+:class:`broker.wire.codecs.Codec` puts in front.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Literal, Protocol
 import torch
 
 from broker.errors import CodecError
-from broker.packing import Buffer, code_bytes, pack, unpack, wire_view
+from broker.wire.packing import Buffer, code_bytes, pack, unpack, wire_view
 
 Quant = Literal["fp32", "bf16", "int8", "int4", "int2"]
 _QMAX = {"int8": 127, "int4": 7, "int2": 1}
@@ -34,7 +34,7 @@ _CHUNK_VALUES = 1 << 16
 
 
 class Quantiser(Protocol):
-    """What :class:`broker.codecs.Codec` asks of a quantiser."""
+    """What :class:`broker.wire.codecs.Codec` asks of a quantiser."""
 
     def size(self, numel: int) -> int: ...
     def kept_per_block(self, length: int) -> int: ...

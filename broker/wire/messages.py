@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 import msgpack
 import torch
 
-from broker.codecs import Buffer, Codec, CodecError
 from broker.errors import WireError as WireError  # re-exported: defined in broker.errors
+from broker.wire.codecs import Buffer, Codec, CodecError
 
 try:
     # ISA-L's CRC-32 is zlib's checksum (same polynomial, same frames), computed
@@ -222,7 +222,7 @@ class _TensorMessage(Message):
 
     def quantised(self, out: bytearray | None = None) -> Any:
         """The payload's quantised bytes, out of its lossless stage and size-checked
-        (:meth:`broker.codecs.Codec.quantised`, into ``out``), for code that reads
+        (:meth:`broker.wire.codecs.Codec.quantised`, into ``out``), for code that reads
         the codes."""
         try:
             return self.codec.quantised(self.payload, self.numel, out)
@@ -266,14 +266,14 @@ class GlobalFragment(_TensorMessage):
     # -1: the payload is the fragment's weights (a snapshot). Otherwise the
     # version it is the change from, always version - 1 of the same epoch: the
     # receiver adds it to the weights of that version it holds
-    # (:func:`broker.codecs.apply_change`), and one that does not hold them
+    # (:func:`broker.wire.codecs.apply_change`), and one that does not hold them
     # fetches a snapshot.
     change_from: int = -1
     # CRC-32 of the fp32 bytes of this version's weights (weights_checksum): a
     # receiver whose rebuilt version differs notices, and fetches the snapshot.
     weights_crc: int = 0
     # The syncers' Ed25519 signature (hex) of everything above and the payload
-    # (broker.keys.signing_digest); learners with the run's keys check it
+    # (broker.identity.signing.signing_digest); learners with the run's keys check it
     # before anything is applied. Empty: unsigned (a run without keys).
     signature: str = ""
 
@@ -383,7 +383,7 @@ class Enroll(Message):
     """Learner -> syncer: admit ``key`` (the learner's own public key; over ZeroMQ
     the CURVE key the message comes on) to the run in ``role``. ``proof`` is
     HMAC-SHA256 of the run id, key and role under the run's join secret
-    (:func:`broker.keys.enroll_proof`): only a holder of the secret can make one,
+    (:func:`broker.identity.keys.enroll_proof`): only a holder of the secret can make one,
     and it is good for that key alone."""
 
     KIND: ClassVar[str] = "enroll"
