@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import redis
