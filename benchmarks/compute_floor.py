@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from broker.run.cli_config import add_dataclass_args, dataclass_from_args
+from broker.cli_config import add_dataclass_args, dataclass_from_args
 from compose.local import LocalConfig
 from learner.worker import inner_optimizer, inner_step, lr_at
 from learner.workload import WorkloadContext, load_workload

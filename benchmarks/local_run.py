@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from broker.run.cli_config import (
+from broker.cli_config import (
     add_dataclass_args,
     dataclass_from_args,
     dataclass_values,

@@ -26,6 +26,7 @@ from broker.identity.keys import Identity, RunKeys
 from broker.redis.learner import RedisLearnerTransport
 from broker.redis.syncer import RedisSyncerTransport
 from broker.run.key_folder import make_keys
+from broker.run.settings import RunSettings
 from broker.wire.messages import Heartbeat
 
 RUN = "roster-bench"
@@ -42,7 +43,7 @@ def measure(learners: int, keys_dir: Path, workdir: Path) -> dict[str, Any]:
     admin = server.client()
     syncer = RedisSyncerTransport(
         server.url, RUN, "syncer-0", list(range(FRAGMENTS)),
-        keys=RunKeys.load(keys_dir, "syncer"),
+        keys=RunKeys.load(keys_dir, "syncer"), identity_hold_s=RunSettings().gone_after_s,
     )  # fmt: skip
     transports: list[RedisLearnerTransport] = []
     try:

@@ -89,11 +89,11 @@ from typing import Any
 
 import torch
 
+from broker.cli_config import dataclass_to_args
 from broker.connect import connect_learner
 from broker.errors import Backpressure
 from broker.fragments import FragmentPlan, ParamSpec, owned_fragments, owner_shard
 from broker.identity.keys import Identity
-from broker.run.cli_config import dataclass_to_args
 from broker.run.initial_model import write_initial_model
 from broker.run.key_folder import make_keys
 from broker.run.settings import RunSettings

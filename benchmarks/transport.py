@@ -54,6 +54,7 @@ from broker.connect import connect_learner, connect_syncer
 from broker.identity.keys import RunKeys
 from broker.identity.signing import GlobalSigner, GlobalVerifier
 from broker.run.key_folder import make_keys
+from broker.run.settings import RunSettings
 from broker.runtime import freeze_startup_heap
 from broker.transport import Backpressure
 from broker.wire.codecs import Codec
@@ -78,7 +79,10 @@ MODES: dict[str, tuple[tuple[float, ...], dict[str, float], int]] = {
 
 def _syncer(url: str, ready: Any, stop: Any, keys_dir: str | None) -> None:
     keys = RunKeys.load(keys_dir, "syncer") if keys_dir else None
-    transport = connect_syncer(url, run_id=RUN, syncer_id="bench", fragments=[0], keys=keys)
+    transport = connect_syncer(
+        url, run_id=RUN, syncer_id="bench", fragments=[0], keys=keys,
+        identity_hold_s=RunSettings().gone_after_s,
+    )  # fmt: skip
     freeze_startup_heap()
     ready.set()
     while not stop.is_set():

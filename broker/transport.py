@@ -50,6 +50,9 @@ from broker.wire.messages import Delta, GlobalFragment, Heartbeat
 # of them: a lease outlives its holder by at most an hour, and the slots of
 # one run are few enough to scan.
 MAX_LEARNER_SLOTS = 4096
+# The largest frame a transport takes where neither the URL nor the fragment
+# plan (plan.max_message_bytes) sets one.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
 MAX_LEASE_TTL_S = 3600.0
 
 

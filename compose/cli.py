@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from broker.cli_config import add_dataclass_args, dataclass_from_args
 from broker.errors import ConfigError, DdilocoError
-from broker.run.cli_config import add_dataclass_args, dataclass_from_args
 from broker.run.settings import RunSettings
 from compose.chaos_run import ChaosConfig, run_chaos
 from compose.reporter import ReportConfig, run_report

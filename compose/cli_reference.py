@@ -5,7 +5,7 @@
     python -m compose.cli_reference --check    # exit 1 if docs/cli.md is out of date
 
 The parsers are the ones ``ddiloco`` builds itself (:func:`compose.cli.main`), whose
-options come from the config dataclasses (:mod:`broker.run.cli_config`): nothing
+options come from the config dataclasses (:mod:`broker.cli_config`): nothing
 is declared twice. The text depends on the code only: ``DDILOCO_*`` variables
 set in the environment are ignored while the parsers are built (they would
 change the defaults), and neither the terminal's width nor paths nor times
@@ -22,13 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from broker.run.cli_config import ENV_PREFIX
+from broker.cli_config import ENV_PREFIX, leaves
+from broker.redis.options import RedisOptions
+from broker.zmq.options import ZmqOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = Path("docs") / "cli.md"
 REGENERATE = "python -m compose.cli_reference --write"
 
-# The help that broker.run.cli_config.add_dataclass_args writes for a field:
+# The help that broker.cli_config.add_dataclass_args writes for a field:
 # "<comment>; default <value> (env DDILOCO_<NAME>)", the comment and the
 # default each optional.
 _ENV = re.compile(r"^(?P<body>.*?) ?\(env (?P<env>\w+)\)$", re.S)
@@ -183,7 +185,7 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         "Every `ddiloco` command and its options, as the command's parser has them: the",
         "options of a service are the fields of its config dataclass",
         "(`learner/config.py`, `syncer/config.py`, `compose/local.py`, the shared run",
-        "settings in `broker/run/settings.py`), mapped to flags by `broker/run/cli_config.py`.",
+        "settings in `broker/run/settings.py`), mapped to flags by `broker/cli_config.py`.",
         "`tests/test_docs.py` checks that this file is current.",
         "",
         "- Every option of a config field is also an environment variable, read when the",
@@ -216,7 +218,29 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         ]
     for c in cmds:
         lines += ["", f"## ddiloco {c.name}", "", c.help, "", *_table(c.rows)]
+    lines += _url_options()
     return "\n".join(lines) + "\n"
+
+
+def _url_options() -> list[str]:
+    """The broker URL's options (``zmq://h:5555?ack_timeout_s=2``): the fields of
+    each backend's options dataclass."""
+    lines = [
+        "",
+        "## Broker URL options",
+        "",
+        "Options of the transport travel in the query of `--url`",
+        "(`zmq://syncer:5555?ack_timeout_s=2`, `redis://redis:6379/0?claim_idle_s=10`); one",
+        "URL serves learners and syncers, and each side reads the options it uses. A Redis",
+        "URL's other query parameters go to redis-py.",
+    ]
+    for title, cls in (("ZeroMQ", ZmqOptions), ("Redis", RedisOptions)):
+        lines += ["", f"### {title} (`{cls.__module__}.{cls.__name__}`)", ""]
+        lines += ["| option | type | help |", "|---|---|---|"]
+        for name, tp, text in leaves(cls):
+            type_name = getattr(tp, "__name__", str(tp))
+            lines.append(f"| {_code(name)} | {type_name} | {_escape(text) or '-'} |")
+    return lines
 
 
 def _anchor(name: str) -> str:

@@ -54,11 +54,11 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
+from broker.cli_config import dataclass_to_args, dataclass_values
 from broker.connect import parse_url
 from broker.errors import ConfigError
 from broker.files import atomic_write
 from broker.identity.keys import JOIN_SECRET
-from broker.run.cli_config import dataclass_to_args, dataclass_values
 from broker.run.key_folder import make_keys
 from broker.run.settings import NO_BROKER, RunSettings
 from compose.chaos import ChaosSchedule

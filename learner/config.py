@@ -1,7 +1,7 @@
 """The learner side's config dataclasses: what is trained, how, and by whom.
 
 Groups that several commands share are their own dataclasses, nested (and
-flattened onto flags and ``DDILOCO_*`` variables by :mod:`broker.run.cli_config`):
+flattened onto flags and ``DDILOCO_*`` variables by :mod:`broker.cli_config`):
 :class:`~broker.run.settings.RunSettings` (the whole run), :class:`WorkloadConfig`
 (model and data: ``ddiloco init``, learners, the evaluator), :class:`TrainConfig`
 (the inner loop), :class:`SyncConfig` (the learner's side of syncing) and

@@ -52,7 +52,7 @@ class SlotLease:
         ttl_s: float | None = None,
     ) -> None:
         self.holder = holder
-        self.ttl_s = ttl_s if ttl_s is not None else GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s
+        self.ttl_s = ttl_s if ttl_s is not None else run.gone_after_s
         self.on_lost = on_lost
         self.slot = -1
         self.renewals = 0

@@ -51,12 +51,12 @@ from typing import Any
 
 import torch
 
+from broker.cli_config import dataclass_to_args
 from broker.connect import connect_learner
 from broker.errors import ConfigError, DdilocoError
 from broker.files import atomic_write
 from broker.fragments import FragmentPlan, synced_parameters
 from broker.identity.keys import JOIN_SECRET, Identity, identity_path
-from broker.run.cli_config import dataclass_to_args
 from broker.run.initial_model import write_initial_model
 from broker.run.key_folder import make_keys
 from broker.run.settings import NO_BROKER, RunSettings

@@ -7,8 +7,8 @@ import argparse
 import logging
 import sys
 
+from broker.cli_config import add_dataclass_args, dataclass_from_args
 from broker.errors import DdilocoError
-from broker.run.cli_config import add_dataclass_args, dataclass_from_args
 from syncer.config import SyncerConfig
 from syncer.service import run_syncer
 

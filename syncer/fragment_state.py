@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from broker.errors import ConfigError, TrustError
-from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
+from broker.run.settings import RunSettings
 from broker.wire.codecs import Codec, apply_change
 from broker.wire.messages import Delta
 from syncer import kernels
@@ -149,7 +149,7 @@ class FragmentState:
         self.round = OpenRound(
             outer.grace_gamma,
             run.overlap,
-            GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s,
+            run.gone_after_s,
         )
 
     # -- what the rest of the syncer reads ---------------------------------

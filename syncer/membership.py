@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
-from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings, default_quorum
+from broker.run.settings import RunSettings, default_quorum
 from syncer.quorum import Roster
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class Membership:
         self.short_run = True
         joined, run = len(self.roster), self.run
         if run.quorum:
-            wait_s = GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s
+            wait_s = run.gone_after_s
             advice = f"each round waits {wait_s:.0f} s for them: lower DDILOCO_QUORUM"
         else:
             advice = f"K is now {self.quorum()}, and follows the learners that join"

@@ -36,7 +36,6 @@ from broker.connect import connect_syncer, lease_shard
 from broker.errors import ConfigError, Fenced, TransportError
 from broker.fragments import owned_fragments
 from broker.run.initial_model import InitialModel, read_initial_model
-from broker.run.settings import GONE_AFTER_HEARTBEATS
 from broker.runtime import default_holder, freeze_startup_heap
 from broker.transport import Inbound, SyncerTransport
 from syncer.buffers import PackedRows
@@ -155,7 +154,7 @@ class Syncer:
                 # auto: in a container its id and pid 1, the same after a restart.
                 holder=f"{default_holder()}:"
                 + (str(os.getpid()) if fixed is None else str(Path(cfg.checkpoint_dir).resolve())),
-                ttl_s=GONE_AFTER_HEARTBEATS * run.heartbeat_timeout_s,
+                ttl_s=run.gone_after_s,
                 keys=run.run_keys("syncer"),
             )
         )
@@ -229,6 +228,7 @@ class Syncer:
             shard=self.shard,
             syncer_shards=run.syncer_shards,
             fence=self.fence,
+            identity_hold_s=run.gone_after_s,
         )
         rebuilt = [] if cfg.new_epoch else self._rebuild_from_broker(fresh)
         if unrebuilt := [p for p in fresh if p not in rebuilt and not cfg.new_epoch]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from broker.run.cli_config import (
+from broker.cli_config import (
     add_dataclass_args,
     dataclass_from_args,
     dataclass_to_args,

@@ -17,10 +17,12 @@ from redis.connection import parse_url as redis_py_parse_url
 from broker.connect import BrokerUrl, connect_learner, connect_syncer, parse_url
 from broker.redis.common import GROUP, delta_stream_key
 from broker.redis.learner import RedisLearnerTransport
+from broker.redis.options import RedisOptions
 from broker.redis.server import RedisServer
 from broker.redis.syncer import RedisSyncerTransport
 from broker.transport import Backpressure, Inbound, LearnerTransport, SyncerTransport
 from broker.wire.messages import Delta
+from broker.zmq.options import ZmqOptions
 from broker.zmq.transport import ZmqLearnerTransport, ZmqSyncerTransport, shard_endpoint
 from compose.processes import free_port_pair
 from tests.servers import wait_until
@@ -51,7 +53,9 @@ def delta(seq: int, fragment: int = 0, learner: str = "learner-a") -> Delta:
 
 # -- parse_url: ZeroMQ -------------------------------------------------------------
 def test_zmq_one_endpoint() -> None:
-    assert parse_url("zmq://127.0.0.1:5555") == BrokerUrl("zmq", ("tcp://127.0.0.1:5555",), {})
+    assert parse_url("zmq://127.0.0.1:5555") == BrokerUrl(
+        "zmq", ("tcp://127.0.0.1:5555",), ZmqOptions()
+    )
     assert parse_url("zmq://syncer-0:5555/").endpoints == ("tcp://syncer-0:5555",)
 
 
@@ -67,13 +71,11 @@ def test_zmq_options_are_checked_and_kept() -> None:
         "&max_message_bytes=4096"
     )
     assert parsed.endpoints == ("tcp://h:5555",)
-    assert parsed.options == {
-        "max_unacked": "3",
-        "ack_timeout_s": "0.5",
-        "max_batch": "10",
-        "send_hwm": "7",
-        "max_message_bytes": "4096",
-    }
+    assert parsed.options == ZmqOptions(
+        max_unacked=3, ack_timeout_s=0.5, max_batch=10, send_hwm=7, max_message_bytes=4096
+    )
+    assert parsed.given == {"max_unacked", "ack_timeout_s", "max_batch", "send_hwm",
+                            "max_message_bytes"}  # fmt: skip
 
 
 def test_zmq_options_reach_each_side_converted() -> None:
@@ -81,17 +83,18 @@ def test_zmq_options_reach_each_side_converted() -> None:
     port = free_port_pair()
     url = f"zmq://127.0.0.1:{port}?max_unacked=3&ack_timeout_s=0.5&max_batch=10&send_hwm=7"
     learner = connect_learner(url, run_id=RUN, learner_id="l", incarnation=2, num_fragments=4)
-    syncer = connect_syncer(url, run_id=RUN, syncer_id="s", fragments=[0, 1, 2, 3])
+    syncer = connect_syncer(
+        url, run_id=RUN, syncer_id="s", fragments=[0, 1, 2, 3], identity_hold_s=15.0
+    )
     try:
         assert isinstance(learner, ZmqLearnerTransport)
         assert isinstance(syncer, ZmqSyncerTransport)
-        assert learner.max_unacked == 3 and type(learner.max_unacked) is int
-        assert learner.ack_timeout_s == 0.5 and type(learner.ack_timeout_s) is float
+        assert learner.options.max_unacked == 3 and type(learner.options.max_unacked) is int
+        assert learner.options.ack_timeout_s == 0.5 and type(learner.options.ack_timeout_s) is float
         assert (learner.run_id, learner.learner_id, learner.incarnation) == (RUN, "l", 2)
         assert learner.num_fragments == 4
-        assert syncer.max_batch == 10 and type(syncer.max_batch) is int
+        assert syncer.options.max_batch == 10 and type(syncer.options.max_batch) is int
         assert syncer.fragments == {0, 1, 2, 3}
-        assert not hasattr(syncer, "max_unacked")
     finally:
         learner.close()
         syncer.close()
@@ -170,8 +173,16 @@ def test_a_zmq_syncer_binds_its_shards_endpoint_of_the_runs_url() -> None:
     first, second = free_port_pair(), free_port_pair()
     url = f"zmq://127.0.0.1:{first},127.0.0.1:{second}"
     with pytest.raises(ValueError, match="lists 2 syncer endpoints for syncer_shards=1"):
-        connect_syncer(url, run_id=RUN, syncer_id="s", fragments=[0])
-    syncer = connect_syncer(url, run_id=RUN, syncer_id="s", fragments=[1], shard=1, syncer_shards=2)
+        connect_syncer(url, run_id=RUN, syncer_id="s", fragments=[0], identity_hold_s=15.0)
+    syncer = connect_syncer(
+        url,
+        run_id=RUN,
+        syncer_id="s",
+        fragments=[1],
+        shard=1,
+        syncer_shards=2,
+        identity_hold_s=15.0,
+    )
     try:
         assert isinstance(syncer, ZmqSyncerTransport)
         endpoint = syncer._router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -183,7 +194,7 @@ def test_a_zmq_syncer_binds_its_shards_endpoint_of_the_runs_url() -> None:
 # -- parse_url: Redis ------------------------------------------------------------------
 def test_redis_url_without_options_is_unchanged() -> None:
     url = "redis://127.0.0.1:6379/0"
-    assert parse_url(url) == BrokerUrl("redis", (url,), {})
+    assert parse_url(url) == BrokerUrl("redis", (url,), RedisOptions())
 
 
 def test_redis_options_are_ours_and_the_rest_is_redis_pys() -> None:
@@ -192,7 +203,7 @@ def test_redis_options_are_ours_and_the_rest_is_redis_pys() -> None:
         "&health_check_interval=10&group=g1"
     )
     assert parsed.backend == "redis"
-    assert parsed.options == {"claim_idle_s": "2", "max_unacked": "5", "group": "g1"}
+    assert parsed.options == RedisOptions(claim_idle_s=2, max_unacked=5, group="g1")
     assert parsed.endpoints == (
         "redis://user:pw@host:6380/1?socket_keepalive=true&health_check_interval=10",
     )
@@ -211,14 +222,14 @@ def test_redis_options_are_ours_and_the_rest_is_redis_pys() -> None:
 def test_rediss_url() -> None:
     parsed = parse_url("rediss://h:6380/0?ssl_cert_reqs=none&block_ms=50")
     assert parsed.endpoints == ("rediss://h:6380/0?ssl_cert_reqs=none",)
-    assert (parsed.backend, parsed.options) == ("redis", {"block_ms": "50"})
+    assert (parsed.backend, parsed.options) == ("redis", RedisOptions(block_ms=50))
     assert redis_py_parse_url(parsed.endpoints[0])["ssl_cert_reqs"] == "none"
 
 
 def test_unix_url_options() -> None:
     parsed = parse_url("unix:///run/redis.sock?db=2&group=g1&claim_idle_s=3")
     assert parsed.backend == "redis"
-    assert parsed.options == {"group": "g1", "claim_idle_s": "3"}
+    assert parsed.options == RedisOptions(group="g1", claim_idle_s=3)
 
 
 def test_unix_url_is_one_redis_py_accepts() -> None:
@@ -262,7 +273,9 @@ def test_unknown_scheme(url: str) -> None:
 # -- real sockets -----------------------------------------------------------------------
 @contextmanager
 def connected(url: str, fragments: list[int]) -> Iterator[tuple[LearnerTransport, SyncerTransport]]:
-    syncer = connect_syncer(url, run_id=RUN, syncer_id="syncer-0", fragments=fragments)
+    syncer = connect_syncer(
+        url, run_id=RUN, syncer_id="syncer-0", fragments=fragments, identity_hold_s=15.0
+    )
     try:
         learner = connect_learner(
             url, run_id=RUN, learner_id="learner-a", incarnation=1, num_fragments=len(fragments)
@@ -296,7 +309,7 @@ def test_zmq_delta_and_ack_over_real_sockets() -> None:
     url = f"zmq://127.0.0.1:{free_port_pair()}?max_unacked=3&ack_timeout_s=0.2"
     with connected(url, [0, 1]) as (learner, syncer):
         assert isinstance(learner, ZmqLearnerTransport)
-        assert learner.max_unacked == 3
+        assert learner.options.max_unacked == 3
         inbound = deliver(learner, syncer, delta(seq=1, fragment=1))
         assert learner.unacked == 1  # not acked yet: it would be resent
         syncer.ack([inbound])
@@ -325,8 +338,8 @@ def test_redis_delta_and_ack_over_a_real_server(redis_server: RedisServer) -> No
         with connected(url, [0, 1]) as (learner, syncer):
             assert isinstance(learner, RedisLearnerTransport)
             assert isinstance(syncer, RedisSyncerTransport)
-            assert learner.max_unacked == 3
-            assert (syncer.claim_idle_s, syncer.group) == (7.0, "g-test")
+            assert learner.options.max_unacked == 3
+            assert (syncer.options.claim_idle_s, syncer.options.group) == (7.0, "g-test")
             stream = delta_stream_key(RUN, 1, learner.learner_id)
             inbound = deliver(learner, syncer, delta(seq=1, fragment=1))
             # The syncer made its consumer group under the URL's name, not the default.
@@ -379,8 +392,8 @@ def test_one_zmq_endpoint_for_two_shards_reaches_each_where_its_host_is_now() ->
         looked_up.append(host)
         return set(addresses)
 
-    shard_0 = ZmqSyncerTransport(f"tcp://127.0.0.1:{base}", RUN, [0])
-    shard_1 = ZmqSyncerTransport(f"tcp://127.0.0.2:{base + 2}", RUN, [1])
+    shard_0 = ZmqSyncerTransport(f"tcp://127.0.0.1:{base}", RUN, [0], identity_hold_s=15.0)
+    shard_1 = ZmqSyncerTransport(f"tcp://127.0.0.2:{base + 2}", RUN, [1], identity_hold_s=15.0)
     learner = ZmqLearnerTransport(
         [f"tcp://syncers.test:{base}"], RUN, "learner-a", 1, 2,
         syncer_shards=2, resolve_host=resolve,
@@ -391,7 +404,7 @@ def test_one_zmq_endpoint_for_two_shards_reaches_each_where_its_host_is_now() ->
             assert other.receive(0.05) == []  # each delta went to its own shard only
         shard_1.close()
         addresses = {"127.0.0.1", "127.0.0.3"}
-        shard_1 = ZmqSyncerTransport(f"tcp://127.0.0.3:{base + 2}", RUN, [1])
+        shard_1 = ZmqSyncerTransport(f"tcp://127.0.0.3:{base + 2}", RUN, [1], identity_hold_s=15.0)
         shard_1.ack([deliver(learner, shard_1, delta(seq=3, fragment=1))])
         assert set(looked_up) == {"syncers.test"} and len(looked_up) >= 2
     finally:

@@ -92,7 +92,9 @@ def bound_port() -> Iterator[int]:
 def test_connect_on_a_port_in_use_is_a_transport_error(bound_port: int) -> None:
     url = f"zmq://127.0.0.1:{bound_port}"
     with pytest.raises(TransportError, match=f"127.0.0.1:{bound_port}") as e:
-        connect_syncer(url, run_id="errors", syncer_id="syncer-0", fragments=[0])
+        connect_syncer(
+            url, run_id="errors", syncer_id="syncer-0", fragments=[0], identity_hold_s=15.0
+        )
     assert not isinstance(e.value, zmq.ZMQError)
     assert isinstance(e.value.__cause__, zmq.ZMQError)  # kept for a traceback
     # The half-built transport's context is destroyed at the seam: left to the

@@ -31,7 +31,9 @@ def test_join_waits_for_a_redis_that_starts_late(tmp_path: Path) -> None:
 
     def start_and_publish() -> None:
         server.start()
-        syncer = connect_syncer(server.url, run_id="r", syncer_id="s", fragments=[0])
+        syncer = connect_syncer(
+            server.url, run_id="r", syncer_id="s", fragments=[0], identity_hold_s=15.0
+        )
         weights = torch.ones(numel)
         syncer.publish(
             GlobalFragment(run_id="r", fragment=0, plan_hash=plan.plan_hash, version=3,

@@ -40,6 +40,7 @@ from broker.wire.messages import (
     LeaseRequest,
     SnapshotRequest,
 )
+from broker.zmq.options import ZmqOptions
 from broker.zmq.transport import ZmqLearnerTransport, ZmqSyncerTransport, pub_endpoint
 from compose import cli
 from tests.servers import wait_until
@@ -147,10 +148,16 @@ def test_an_enroll_proof_is_bound_to_run_key_and_role(keys_dir: Path) -> None:
 
 # -- ZeroMQ under CURVE ------------------------------------------------------
 def keyed_pair(
-    keys_dir: Path, role: str = "learner", learner_id: str = "learner-0", **options: object
+    keys_dir: Path,
+    role: str = "learner",
+    learner_id: str = "learner-0",
+    options: ZmqOptions = ZmqOptions(),
 ) -> tuple[ZmqSyncerTransport, ZmqLearnerTransport]:
     ep = endpoint()
-    syncer = ZmqSyncerTransport(ep, RUN, [0, 1], keys=RunKeys.load(keys_dir, "syncer"), **options)
+    syncer = ZmqSyncerTransport(
+        ep, RUN, [0, 1], keys=RunKeys.load(keys_dir, "syncer"), options=options,
+        identity_hold_s=15.0,
+    )  # fmt: skip
     learner = ZmqLearnerTransport(
         [ep], RUN, learner_id, 1, 2, keys=RunKeys.load(keys_dir, "learner"), role=role
     )
@@ -208,7 +215,9 @@ def test_an_unkeyed_peer_reaches_nothing(keys_dir: Path) -> None:
     """No CURVE key of the run: the handshake fails, so no frame is read and
     no global is sent (the issue's outsider: squatting, posing, reading)."""
     ep = endpoint()
-    syncer = ZmqSyncerTransport(ep, RUN, [0, 1], keys=RunKeys.load(keys_dir, "syncer"))
+    syncer = ZmqSyncerTransport(
+        ep, RUN, [0, 1], keys=RunKeys.load(keys_dir, "syncer"), identity_hold_s=15.0
+    )
     plain = ZmqLearnerTransport([ep], RUN, "learner-0", 1, 2)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -336,7 +345,9 @@ def test_a_forged_global_never_reaches_a_keyed_learner(keys_dir: Path) -> None:
     counted, never offered."""
     other = make_keys(keys_dir.parent / "other")
     ep = endpoint()
-    rogue = ZmqSyncerTransport(ep, RUN, [0, 1], keys=RunKeys.load(other, "syncer"))
+    rogue = ZmqSyncerTransport(
+        ep, RUN, [0, 1], keys=RunKeys.load(other, "syncer"), identity_hold_s=15.0
+    )
     # A learner holding the run's join secret and server key, told the rogue's
     # server key (as a man in the middle would present it), still checks signatures.
     learner_keys = replace(
@@ -453,7 +464,7 @@ def test_fragments_cross_curve_in_frames_and_a_message_of_endless_parts_is_dropp
     handshake (any CURVE key may, to enroll) sends one message of endless small
     parts, each within MAXMSGSIZE: it is read frame by frame, dropped past the
     bound and counted, and the next delta is taken."""
-    syncer, learner = keyed_pair(keys_dir, max_message_bytes=8 * 2**20)
+    syncer, learner = keyed_pair(keys_dir, options=ZmqOptions(max_message_bytes=8 * 2**20))
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     outsider = Identity.new()

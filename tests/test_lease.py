@@ -61,6 +61,7 @@ class Authority:
             fragments=[0],
             keys=self._keys,
             roster_cap=self.roster_cap,
+            identity_hold_s=15.0,
         )
         self.stats = transport.stats
 
@@ -293,7 +294,7 @@ def test_join_secret_keys_cannot_pin_slots_past_the_roster_cap(
 
 def test_the_zmq_authority_rejects_leases_out_of_bounds() -> None:
     url = zmq_url()
-    syncer = connect_syncer(url, run_id=RUN, syncer_id="s", fragments=[0])
+    syncer = connect_syncer(url, run_id=RUN, syncer_id="s", fragments=[0], identity_hold_s=15.0)
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(url.replace("zmq://", "tcp://"))

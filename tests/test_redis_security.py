@@ -112,7 +112,9 @@ def test_deltas_and_signed_globals_over_tls_with_the_runs_ca(
 ) -> None:
     url = tls_server.url
     assert url.startswith("rediss://")
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer"))
+    syncer = RedisSyncerTransport(
+        url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer"), identity_hold_s=15.0
+    )
     learner = RedisLearnerTransport(
         url, RUN, "learner-0", 1, num_fragments=1, keys=RunKeys.load(keys_dir, "learner")
     )
@@ -137,7 +139,7 @@ def test_a_redis_restart_keeps_every_delta_and_global_it_acknowledged(
     may not run: with the default user denied everything, both were gone."""
     url = tls_server.url
     syncer_keys = RunKeys.load(keys_dir, "syncer")
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=syncer_keys)
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=syncer_keys, identity_hold_s=15.0)
     learner = RedisLearnerTransport(
         url, RUN, "learner-0", 1, num_fragments=1, keys=RunKeys.load(keys_dir, "learner")
     )
@@ -167,7 +169,9 @@ def test_a_redis_restart_keeps_every_delta_and_global_it_acknowledged(
     # A Redis still holding the users of an earlier release's redis.acl: said at start.
     tls_server.client().execute_command("ACL", "SETUSER", "default", "resetchannels", "-@all")
     with caplog.at_level(logging.ERROR, logger="broker.redis.syncer"):
-        RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=syncer_keys).close()
+        RedisSyncerTransport(
+            url, RUN, "syncer-0", [0], keys=syncer_keys, identity_hold_s=15.0
+        ).close()
     assert any("ddiloco keys acl" in r.getMessage() for r in caplog.records)
 
 
@@ -202,7 +206,9 @@ def test_the_servers_certificate_rotates_while_a_learner_runs(
     tls_server: RedisServer, keys_dir: Path
 ) -> None:
     url = tls_server.url
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer"))
+    syncer = RedisSyncerTransport(
+        url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer"), identity_hold_s=15.0
+    )
     learner = RedisLearnerTransport(
         url, RUN, "learner-0", 1, num_fragments=1, keys=RunKeys.load(keys_dir, "learner")
     )
@@ -295,7 +301,9 @@ def test_an_enrolled_learner_writes_only_its_own_keys(
     acl_server: RedisServer, keys_dir: Path
 ) -> None:
     url = acl_server.url
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer"))
+    syncer = RedisSyncerTransport(
+        url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer"), identity_hold_s=15.0
+    )
     ids = {name: Identity.new() for name in ("learner-0", "learner-1")}
     learners = [
         RedisLearnerTransport(
@@ -337,7 +345,9 @@ def test_a_join_holder_cannot_take_an_enrolled_learners_id_and_revocation_shuts_
     acl_server: RedisServer, keys_dir: Path
 ) -> None:
     url = acl_server.url
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer"))
+    syncer = RedisSyncerTransport(
+        url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer"), identity_hold_s=15.0
+    )
     identity = Identity.new()
     real = RedisLearnerTransport(url, RUN, "learner-0", 1, 1, identity=identity,
                                  keys=RunKeys.load(keys_dir, "learner"))  # fmt: skip
@@ -394,7 +404,12 @@ def test_requests_larger_than_the_bound_never_leave_redis(
     for _ in range(3):
         joiner.xadd(requests_key(RUN), {"m": b"x" * (8 * 2**20)})
     syncer = RedisSyncerTransport(
-        acl_server.url, RUN, "syncer-0", [0], keys=RunKeys.load(keys_dir, "syncer")
+        acl_server.url,
+        RUN,
+        "syncer-0",
+        [0],
+        keys=RunKeys.load(keys_dir, "syncer"),
+        identity_hold_s=15.0,
     )
     try:
         wait_until(

@@ -43,6 +43,7 @@ from broker.redis.common import (
     weightless_key,
 )
 from broker.redis.learner import RedisLearnerTransport
+from broker.redis.options import RedisOptions
 from broker.redis.server import RedisServer
 from broker.redis.syncer import RedisSyncerTransport
 from broker.transport import Backpressure, Inbound, TransportError, TransportStats
@@ -131,7 +132,13 @@ def run_learners(
     learner_keys = RunKeys.load(keys, "learner") if keys else None
     transports = {
         name: RedisLearnerTransport(
-            url, RUN, name, 0, num_fragments, max_unacked=16, keys=learner_keys
+            url,
+            RUN,
+            name,
+            0,
+            num_fragments,
+            keys=learner_keys,
+            options=RedisOptions(max_unacked=16),
         )
         for name in counts
     }
@@ -383,8 +390,10 @@ def test_outage_queues_deltas_and_globals_then_backpressure_then_delivers(
     redis_server: RedisServer,
 ) -> None:
     url = redis_server.url
-    learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=2, max_unacked=8)
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1])
+    learner = RedisLearnerTransport(
+        url, RUN, "learner-0", 0, num_fragments=2, options=RedisOptions(max_unacked=8)
+    )
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1], identity_hold_s=15.0)
     assert learner.snapshot([0, 1], timeout_s=5) == {}
     redis_server.kill()
 
@@ -431,7 +440,7 @@ def test_a_learner_that_redis_refuses_for_memory_backs_off_counts_it_and_deliver
     reply, loses nothing, and delivers once there is room again."""
     admin = redis_server.client()
     learner = RedisLearnerTransport(redis_server.url, RUN, "learner-0", 0, num_fragments=1)
-    syncer = RedisSyncerTransport(redis_server.url, RUN, "syncer-0", [0])
+    syncer = RedisSyncerTransport(redis_server.url, RUN, "syncer-0", [0], identity_hold_s=15.0)
     assert syncer.receive(0.1) == []  # its group exists
     admin.config_set("maxmemory-policy", "noeviction")
     admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]))
@@ -456,7 +465,9 @@ def test_second_consumer_claims_pending_entries_of_a_dead_one(redis_server: Redi
     sent = [make_delta("learner-0", s, s % 2) for s in range(300)]
     send_all(learner, sent)
 
-    dead = RedisSyncerTransport(url, RUN, "syncer-dead", [0, 1], claim_idle_s=60)
+    dead = RedisSyncerTransport(
+        url, RUN, "syncer-dead", [0, 1], options=RedisOptions(claim_idle_s=60), identity_hold_s=15.0
+    )
     held = receive_until(dead, 120)
     dead.ack(held[:40])  # it applied some, then died holding the rest
     dead.close()
@@ -467,7 +478,14 @@ def test_second_consumer_claims_pending_entries_of_a_dead_one(redis_server: Redi
             pending[c["name"]] += c["pending"]
     assert pending == {b"syncer-dead": len(held) - 40}
 
-    heir = RedisSyncerTransport(url, RUN, "syncer-heir", [0, 1], claim_idle_s=0.5)
+    heir = RedisSyncerTransport(
+        url,
+        RUN,
+        "syncer-heir",
+        [0, 1],
+        options=RedisOptions(claim_idle_s=0.5),
+        identity_hold_s=15.0,
+    )
     got: list[Inbound] = []
 
     def all_in() -> bool:
@@ -492,7 +510,7 @@ def test_a_new_learners_first_delta_comes_with_its_heartbeat(redis_server: Redis
     learner's first delta that wakes it must still come with the heartbeat the
     learner wrote before it, or its step count is bounded by the floor alone."""
     url = redis_server.url
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0])
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], identity_hold_s=15.0)
     assert syncer.receive(0.05) == []  # heartbeats read now: none yet
     learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=1)
     learner.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0", step=1))
@@ -516,13 +534,17 @@ def test_restarted_consumer_reads_its_own_pending_entries_first(redis_server: Re
     url = redis_server.url
     learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=1)
     send_all(learner, [make_delta("learner-0", s, 0) for s in range(10)])
-    before = RedisSyncerTransport(url, RUN, "syncer-0", [0], claim_idle_s=60)
+    before = RedisSyncerTransport(
+        url, RUN, "syncer-0", [0], options=RedisOptions(claim_idle_s=60), identity_hold_s=15.0
+    )
     got = receive_until(before, 10)
     before.ack(got[:3])
     before.close()  # "crashes" holding seqs 3..9
     send_all(learner, [make_delta("learner-0", s, 0) for s in range(10, 15)])
 
-    after = RedisSyncerTransport(url, RUN, "syncer-0", [0], claim_idle_s=60)
+    after = RedisSyncerTransport(
+        url, RUN, "syncer-0", [0], options=RedisOptions(claim_idle_s=60), identity_hold_s=15.0
+    )
     seqs: list[int] = []
     for _ in range(2):
         items = after.receive(1.0)
@@ -538,7 +560,7 @@ def test_restarted_consumer_reads_its_own_pending_entries_first(redis_server: Re
 def test_syncer_recreates_its_group_when_the_streams_vanish(redis_server: RedisServer) -> None:
     url = redis_server.url
     learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=1)
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0])
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], identity_hold_s=15.0)
     send_all(learner, [make_delta("learner-0", 0, 0)])
     syncer.ack(receive_until(syncer, 1))
     # As if redis lost its data:
@@ -557,8 +579,22 @@ def test_a_syncer_refuses_at_start_a_plan_whose_snapshot_redis_cannot_hold(
     client = redis.Redis.from_url(redis_server.url)
     client.config_set("proto-max-bulk-len", "1mb")  # its least
     with pytest.raises(ConfigError, match=r"2\.0 MiB.*at most 1\.0 MiB \(proto-max-bulk-len\)"):
-        RedisSyncerTransport(redis_server.url, RUN, "syncer-0", [0], max_message_bytes=2 * 2**20)
-    syncer = RedisSyncerTransport(redis_server.url, RUN, "syncer-0", [0], max_message_bytes=2**20)
+        RedisSyncerTransport(
+            redis_server.url,
+            RUN,
+            "syncer-0",
+            [0],
+            options=RedisOptions(max_message_bytes=2 * 2**20),
+            identity_hold_s=15.0,
+        )
+    syncer = RedisSyncerTransport(
+        redis_server.url,
+        RUN,
+        "syncer-0",
+        [0],
+        options=RedisOptions(max_message_bytes=2**20),
+        identity_hold_s=15.0,
+    )
     syncer.close()
     client.close()
 
@@ -569,7 +605,7 @@ def test_late_joiner_snapshot_then_poll_gets_exactly_the_later_versions(
     redis_server: RedisServer,
 ) -> None:
     url = redis_server.url
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1, 2, 3])
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1, 2, 3], identity_hold_s=15.0)
     for version in (1, 2, 3):
         for p in (0, 1, 2):
             syncer.publish(make_global(p, version))
@@ -614,7 +650,7 @@ def test_a_joiner_holding_the_current_weights_does_not_read_them(
             payload=Codec().encode(payload), change_from=change_from,
         )  # fmt: skip
 
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1])
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1], identity_hold_s=15.0)
     syncer.publish(version(0, 5, torch.zeros(n), 4), snapshot=version(0, 5, weights[0]))
     syncer.publish(version(1, 3, weights[1]))
     joiner = RedisLearnerTransport(url, RUN, "joiner", 0, num_fragments=2)
@@ -643,7 +679,7 @@ def test_an_announced_version_is_fetched_only_by_learners_that_lack_it(
     """An idle fragment was appended again whole every heartbeat timeout (the
     ZeroMQ twin is in test_zmq_transport.py)."""
     url = redis_server.url
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1])
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1], identity_hold_s=15.0)
     syncer.publish(make_global(0, 3))
     learner = RedisLearnerTransport(url, RUN, "l", 0, num_fragments=2)
     held = learner.snapshot([0], timeout_s=5)[0]  # it holds fragment 0's version only
@@ -671,7 +707,9 @@ def test_learner_resyncs_after_globals_trimmed_past_it_or_a_missing_version(
     redis_server: RedisServer,
 ) -> None:
     url = redis_server.url
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1], globals_maxlen=3)
+    syncer = RedisSyncerTransport(
+        url, RUN, "syncer-0", [0, 1], options=RedisOptions(globals_maxlen=3), identity_hold_s=15.0
+    )
     syncer.publish(make_global(0, 1))
     syncer.publish(make_global(1, 1))
     learner = RedisLearnerTransport(url, RUN, "slow", 0, num_fragments=2)
@@ -689,7 +727,9 @@ def test_learner_resyncs_after_globals_trimmed_past_it_or_a_missing_version(
 
     # A version missing from the stream (deleted here) is a gap: the learner
     # takes the snapshot key, which already holds the newest version.
-    roomy = RedisSyncerTransport(url, RUN, "syncer-1", [0, 1])  # globals_maxlen 1000
+    roomy = RedisSyncerTransport(
+        url, RUN, "syncer-1", [0, 1], identity_hold_s=15.0
+    )  # globals_maxlen 1000
     for version in (9, 10, 11):
         roomy.publish(make_global(0, version))
     v9_id = stream_ids(client, globals_stream_key(RUN))[-3]
@@ -711,7 +751,12 @@ def test_syncer_rejects_counts_and_acks_bad_entries_and_keeps_going(
     limit = 16 * 1024
     # The group exists before anything is written, as it does in a running system.
     dead = RedisSyncerTransport(
-        url, RUN, "syncer-dead", [0], claim_idle_s=60, max_message_bytes=limit
+        url,
+        RUN,
+        "syncer-dead",
+        [0],
+        options=RedisOptions(claim_idle_s=60, max_message_bytes=limit),
+        identity_hold_s=15.0,
     )
     good = encode(make_delta("learner-0", 0, 0))
     bad_checksum = bytearray(good)
@@ -750,7 +795,12 @@ def test_syncer_rejects_counts_and_acks_bad_entries_and_keeps_going(
     client.xdel(stream, doomed_id)
 
     syncer = RedisSyncerTransport(
-        url, RUN, "syncer-live", [0], claim_idle_s=0.3, max_message_bytes=limit
+        url,
+        RUN,
+        "syncer-live",
+        [0],
+        options=RedisOptions(claim_idle_s=0.3, max_message_bytes=limit),
+        identity_hold_s=15.0,
     )
     heartbeats: list[Heartbeat] = []
     seqs: set[int] = set()
@@ -787,7 +837,14 @@ def test_syncer_rejects_counts_and_acks_bad_entries_and_keeps_going(
     assert [seq_of(i) for i in own_doomed] == [4]
     syncer.close()
     client.xdel(stream, own_doomed[0].token[1])
-    restarted = RedisSyncerTransport(url, RUN, "syncer-live", [0], max_message_bytes=limit)
+    restarted = RedisSyncerTransport(
+        url,
+        RUN,
+        "syncer-live",
+        [0],
+        options=RedisOptions(max_message_bytes=limit),
+        identity_hold_s=15.0,
+    )
     client.xadd(stream, {FIELD: encode(make_delta("learner-0", 5, 0))})
     got = receive_until(restarted, 1)
     assert [seq_of(i) for i in got] == [5]
@@ -806,7 +863,14 @@ def test_delta_entries_larger_than_the_bound_never_leave_redis(
     them inside Redis: Redis sends it next to nothing of them."""
     url = redis_server.url
     client = redis.Redis.from_url(url)
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], max_message_bytes=64 * 1024)
+    syncer = RedisSyncerTransport(
+        url,
+        RUN,
+        "syncer-0",
+        [0],
+        options=RedisOptions(max_message_bytes=64 * 1024),
+        identity_hold_s=15.0,
+    )
     learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=1)
     try:
         learner.send_heartbeat(Heartbeat(run_id=RUN, learner_id="learner-0"))
@@ -832,10 +896,10 @@ def test_delta_entries_larger_than_the_bound_never_leave_redis(
 def test_learner_rejects_bad_globals_and_keeps_reading(redis_server: RedisServer) -> None:
     url = redis_server.url
     client = redis.Redis.from_url(url)
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0])
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], identity_hold_s=15.0)
     syncer.publish(make_global(0, 1))
     learner = RedisLearnerTransport(
-        url, RUN, "learner-0", 0, num_fragments=2, max_message_bytes=4096
+        url, RUN, "learner-0", 0, num_fragments=2, options=RedisOptions(max_message_bytes=4096)
     )
     assert versions_of(take_globals(learner, 1.0)) == [(0, 1)]
     client.xadd(globals_stream_key(RUN), {FIELD: b"\x00" * 64})
@@ -856,7 +920,7 @@ def test_delta_streams_stay_bounded_and_trimming_keeps_unacked_entries(
     url = redis_server.url
     client = redis.Redis.from_url(url)
     learner = RedisLearnerTransport(url, RUN, "learner-0", 0, num_fragments=2)
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1])
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1], identity_hold_s=15.0)
     send_all(learner, [make_delta("learner-0", s, s % 2) for s in range(400)])
     got = receive_until(syncer, 400)
     send_all(learner, [make_delta("learner-0", s, s % 2) for s in range(400, 500)])  # unread
@@ -915,12 +979,16 @@ def test_a_syncer_warns_when_redis_runs_without_aof(
     client = redis.Redis.from_url(redis_server.url)
     client.config_set("appendonly", "no")
     with caplog.at_level(logging.WARNING, logger="broker.redis.syncer"):
-        RedisSyncerTransport(redis_server.url, "aof", consumer="s0", fragments=[0]).close()
+        RedisSyncerTransport(
+            redis_server.url, "aof", consumer="s0", fragments=[0], identity_hold_s=15.0
+        ).close()
     assert any("without AOF" in r.getMessage() for r in caplog.records)
     caplog.clear()
     client.config_set("appendonly", "yes")
     with caplog.at_level(logging.WARNING, logger="broker.redis.syncer"):
-        RedisSyncerTransport(redis_server.url, "aof", consumer="s0", fragments=[0]).close()
+        RedisSyncerTransport(
+            redis_server.url, "aof", consumer="s0", fragments=[0], identity_hold_s=15.0
+        ).close()
     assert not any("without AOF" in r.getMessage() for r in caplog.records)
 
 
@@ -950,14 +1018,16 @@ def test_streams_hold_at_most_their_bytes(redis_server: RedisServer) -> None:
     entry = sum(len(part) for part in encode_parts(make_delta("learner-0", 1, 0)))
     learner = RedisLearnerTransport(
         redis_server.url, RUN, "learner-0", 0, num_fragments=2,
-        delta_stream_max_bytes=2 * 5 * entry + 1,  # 5 entries in each of 2 streams
+        # 5 entries in each of 2 streams
+        options=RedisOptions(delta_stream_max_bytes=2 * 5 * entry + 1),
     )  # fmt: skip
     syncer = RedisSyncerTransport(
         redis_server.url,
         RUN,
         "syncer-0",
         [0, 1],
-        globals_max_bytes=3 * len(encode(make_global(0, 1))),
+        options=RedisOptions(globals_max_bytes=3 * len(encode(make_global(0, 1)))),
+        identity_hold_s=15.0,
     )
     try:
         assert syncer.receive(0.1) == []  # its group exists; it reads nothing more
@@ -1010,7 +1080,9 @@ def test_weights_are_written_every_snapshot_every_versions_and_joiners_get_the_l
     parameter per round of Redis's append-only file. Between its writes the
     changes go to a list, and a joiner applies them to the weights it reads."""
     url, every = redis_server.url, 4
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], snapshot_every=every)
+    syncer = RedisSyncerTransport(
+        url, RUN, "syncer-0", [0], options=RedisOptions(snapshot_every=every), identity_hold_s=15.0
+    )
     chain = ChangeChain(0)
     syncer.publish(chain.whole())
     follower = RedisLearnerTransport(url, RUN, "follower", 0, num_fragments=1)
@@ -1040,7 +1112,9 @@ def test_weights_are_written_every_snapshot_every_versions_and_joiners_get_the_l
     assert weights_written == [v % every == 0 for v in range(1, 11)]
     # A restarted syncer writes the weights first: the list may hold its version.
     syncer.close()
-    again = RedisSyncerTransport(url, RUN, "syncer-0", [0], snapshot_every=every)
+    again = RedisSyncerTransport(
+        url, RUN, "syncer-0", [0], options=RedisOptions(snapshot_every=every), identity_hold_s=15.0
+    )
     again.publish(chain.next()[0], snapshot=chain.whole())
     assert server.llen(changes_key(RUN, 0)) == 0
     assert decode(server.get(model_key(RUN, 0))).version == chain.version
@@ -1053,7 +1127,9 @@ def test_a_changes_list_that_does_not_follow_its_weights_is_refused(
     redis_server: RedisServer,
 ) -> None:
     url = redis_server.url
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], snapshot_every=8)
+    syncer = RedisSyncerTransport(
+        url, RUN, "syncer-0", [0], options=RedisOptions(snapshot_every=8), identity_hold_s=15.0
+    )
     chain = ChangeChain(0)
     syncer.publish(chain.whole())
     for _ in range(3):
@@ -1081,7 +1157,9 @@ def test_snapshot_keys_that_redis_lost_are_written_again_whole(
     it): the syncer writes the version whole at once, whether the fragment
     moves or not."""
     url = redis_server.url
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0], snapshot_every=8)
+    syncer = RedisSyncerTransport(
+        url, RUN, "syncer-0", [0], options=RedisOptions(snapshot_every=8), identity_hold_s=15.0
+    )
     server = redis_server.client()
     keys = [model_key(RUN, 0), changes_key(RUN, 0), weightless_key(RUN, 0)]
     chain = ChangeChain(0)
@@ -1114,7 +1192,7 @@ def test_snapshot_keys_that_redis_lost_are_written_again_whole(
 
 
 def test_a_change_is_never_published_as_the_weights(redis_server: RedisServer) -> None:
-    syncer = RedisSyncerTransport(redis_server.url, RUN, "syncer-0", [0])
+    syncer = RedisSyncerTransport(redis_server.url, RUN, "syncer-0", [0], identity_hold_s=15.0)
     chain = ChangeChain(0)
     syncer.publish(chain.whole())
     with pytest.raises(ValueError, match="without weights"):
@@ -1132,7 +1210,7 @@ def test_a_read_returns_at_most_its_budget_and_the_rest_comes_after(
     bytes, and what it held back comes with the next ones, each delta once."""
     monkeypatch.setattr(redis_deltas, "READ_BUDGET_BYTES", 3 * 4096)
     url = redis_server.url
-    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1])
+    syncer = RedisSyncerTransport(url, RUN, "syncer-0", [0, 1], identity_hold_s=15.0)
     learners = [RedisLearnerTransport(url, RUN, name, 0, 2) for name in ("a", "b")]
     for t in learners:
         deltas = [make_delta(t.learner_id, s, s % 2, numel=1024) for s in range(12)]

@@ -25,6 +25,7 @@ from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import Inbound
 from broker.wire.codecs import Codec, apply_change
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat
+from broker.zmq.options import ZmqOptions
 from broker.zmq.transport import ZmqLearnerTransport
 from compose.processes import free_port_pair
 from learner.config import WorkloadConfig
@@ -138,10 +139,22 @@ def test_round_checkpoint_publish_ack_and_exactly_once_across_restart(tmp_path: 
     syncer = make_syncer(tmp_path, port, metrics_port=metrics_port)
     keys = RunKeys.load(run_keys(), "learner")
     a = ZmqLearnerTransport(
-        [f"tcp://127.0.0.1:{port}"], "svc", "a", 1, 2, ack_timeout_s=0.3, keys=keys
+        [f"tcp://127.0.0.1:{port}"],
+        "svc",
+        "a",
+        1,
+        2,
+        keys=keys,
+        options=ZmqOptions(ack_timeout_s=0.3),
     )
     b = ZmqLearnerTransport(
-        [f"tcp://127.0.0.1:{port}"], "svc", "b", 1, 2, ack_timeout_s=0.3, keys=keys
+        [f"tcp://127.0.0.1:{port}"],
+        "svc",
+        "b",
+        1,
+        2,
+        keys=keys,
+        options=ZmqOptions(ack_timeout_s=0.3),
     )
     try:
         start = snapshot(a, syncer)[0]

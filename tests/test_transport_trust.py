@@ -69,7 +69,9 @@ class Backend:
         inject: Callable[[SyncerTransport, GlobalFragment], None],
     ) -> None:
         self.url = url
-        self.syncer = connect_syncer(url, run_id=RUN, syncer_id="syncer-0", fragments=[0])
+        self.syncer = connect_syncer(
+            url, run_id=RUN, syncer_id="syncer-0", fragments=[0], identity_hold_s=15.0
+        )
         self.inject = inject
 
     def learner(self) -> LearnerTransport:
@@ -262,7 +264,9 @@ def test_deltas_dropped_unread_at_the_stream_bound_are_counted_on_both_sides(
     redis_server: RedisServer,
 ) -> None:
     url = f"{redis_server.url}?delta_stream_maxlen=10"
-    syncer = connect_syncer(url, run_id=RUN, syncer_id="syncer-0", fragments=[0])
+    syncer = connect_syncer(
+        url, run_id=RUN, syncer_id="syncer-0", fragments=[0], identity_hold_s=15.0
+    )
     learner = connect_learner(url, run_id=RUN, learner_id="learner-0", incarnation=1,
                               num_fragments=1)  # fmt: skip
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.run.cli_config import add_dataclass_args, dataclass_from_args
+from broker.cli_config import add_dataclass_args, dataclass_from_args
 from broker.run.settings import RunSettings
 from syncer.config import OuterConfig, SyncerConfig
 

@@ -23,6 +23,7 @@ from broker.transport import Backpressure
 from broker.wire import messages as wire
 from broker.wire.codecs import Codec
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat
+from broker.zmq.options import ZmqOptions
 from broker.zmq.transport import ZmqLearnerTransport, ZmqSyncerTransport
 from tests.servers import take_globals, wait_until
 
@@ -142,7 +143,13 @@ def run_learner(bind: str | list[str], name: str, n: int, errors: list[BaseExcep
     try:
         binds = [bind] if isinstance(bind, str) else bind
         t = ZmqLearnerTransport(
-            binds, RUN, name, 1, 4, max_unacked=64, ack_timeout_s=1.0, syncer_shards=len(binds)
+            binds,
+            RUN,
+            name,
+            1,
+            4,
+            syncer_shards=len(binds),
+            options=ZmqOptions(max_unacked=64, ack_timeout_s=1.0),
         )
         try:
             for seq in range(1, n + 1):
@@ -212,7 +219,9 @@ def test_consumer_sigkilled_and_restarted_applies_every_delta_once(tmp_path: Pat
 @pytest.mark.timeout(30)
 def test_backpressure_while_no_syncer_then_resend_after_it_starts(tmp_path: Path) -> None:
     bind = endpoint()
-    learner = ZmqLearnerTransport([bind], RUN, "l0", 1, 4, max_unacked=8, ack_timeout_s=0.2)
+    learner = ZmqLearnerTransport(
+        [bind], RUN, "l0", 1, 4, options=ZmqOptions(max_unacked=8, ack_timeout_s=0.2)
+    )
     try:
         for seq in range(1, 9):
             learner.send_delta(delta("l0", seq, 0))
@@ -220,7 +229,7 @@ def test_backpressure_while_no_syncer_then_resend_after_it_starts(tmp_path: Path
             learner.send_delta(delta("l0", 9, 0))
         learner.send_heartbeat(Heartbeat(run_id=RUN, learner_id="l0", step=9))
         assert learner.stats.messages_sent == 0  # IMMEDIATE: nothing queued to nobody
-        syncer = ZmqSyncerTransport(bind, RUN, [0, 1, 2, 3])
+        syncer = ZmqSyncerTransport(bind, RUN, [0, 1, 2, 3], identity_hold_s=15.0)
         try:
             got: dict[int, int] = {}
             arrivals: list[Delta | Heartbeat] = []
@@ -250,7 +259,7 @@ def test_backpressure_while_no_syncer_then_resend_after_it_starts(tmp_path: Path
 @pytest.mark.timeout(30)
 def test_late_joiner_gets_latest_snapshot_then_later_versions() -> None:
     bind = endpoint()
-    syncer = ZmqSyncerTransport(bind, RUN, [0, 1, 2])
+    syncer = ZmqSyncerTransport(bind, RUN, [0, 1, 2], identity_hold_s=15.0)
     learner = None
     try:
         for version in range(1, 4):
@@ -296,7 +305,7 @@ def test_a_request_that_could_not_go_out_is_tried_again_without_backing_off() ->
         due, retry_s = learner._awaiting[0]
         assert learner.stats.bytes_sent == 0
         assert due - time.monotonic() <= 0.02 and retry_s == 0.5  # soon, backoff untouched
-        syncer = ZmqSyncerTransport(bind, RUN, [0])
+        syncer = ZmqSyncerTransport(bind, RUN, [0], identity_hold_s=15.0)
         syncer.publish(global_fragment(0, 7))
 
         def answered() -> list[GlobalFragment]:
@@ -314,7 +323,9 @@ def test_a_request_that_could_not_go_out_is_tried_again_without_backing_off() ->
 @pytest.mark.timeout(30)
 def test_subscriber_that_missed_messages_notices_the_gap_and_resyncs() -> None:
     bind = endpoint()
-    syncer = ZmqSyncerTransport(bind, RUN, [0], send_hwm=1)
+    syncer = ZmqSyncerTransport(
+        bind, RUN, [0], options=ZmqOptions(send_hwm=1), identity_hold_s=15.0
+    )
     learner = ZmqLearnerTransport([bind], RUN, "gappy", 1, 1)
     try:
         learner._subs[0].setsockopt(zmq.RCVHWM, 1)  # drop freely on the receive side too
@@ -343,7 +354,7 @@ def test_every_version_that_arrived_between_two_polls_is_offered() -> None:
     4 were kept, so it could apply none, trained on its join version and had its
     first deltas refused as stale."""
     bind = endpoint()
-    syncer = ZmqSyncerTransport(bind, RUN, [0])
+    syncer = ZmqSyncerTransport(bind, RUN, [0], identity_hold_s=15.0)
     learner = ZmqLearnerTransport([bind], RUN, "busy", 1, 1)
     try:
         wait_subscribed(syncer, learner)
@@ -360,7 +371,9 @@ def test_every_version_that_arrived_between_two_polls_is_offered() -> None:
 @pytest.mark.timeout(30)
 def test_bad_frames_are_counted_and_good_deltas_still_arrive() -> None:
     bind = endpoint()
-    syncer = ZmqSyncerTransport(bind, RUN, [0, 1], max_message_bytes=1024)
+    syncer = ZmqSyncerTransport(
+        bind, RUN, [0, 1], options=ZmqOptions(max_message_bytes=1024), identity_hold_s=15.0
+    )
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.connect(bind)
@@ -444,7 +457,7 @@ def test_a_joiner_holding_the_current_weights_is_not_sent_them() -> None:
     """A learner that starts from the run's initial model downloaded it whole at
     every join: 3.4 MB per learner of a 300-step run's 19 MB on a 10 Mbit/s link."""
     bind = endpoint()
-    syncer = ZmqSyncerTransport(bind, RUN, [0, 1])
+    syncer = ZmqSyncerTransport(bind, RUN, [0, 1], identity_hold_s=15.0)
     learner = None
     n = 100_000
     weights = {p: torch.randn(n, generator=torch.Generator().manual_seed(p)) for p in (0, 1)}
@@ -485,7 +498,7 @@ def test_an_announced_version_is_fetched_only_by_learners_that_lack_it() -> None
     """An idle fragment was published again whole every heartbeat timeout: while
     4 learners started, each received the whole model (3.4 MB) again every 5 s."""
     bind = endpoint()
-    syncer = ZmqSyncerTransport(bind, RUN, [0, 1])
+    syncer = ZmqSyncerTransport(bind, RUN, [0, 1], identity_hold_s=15.0)
     learner = None
     n = 100_000
     weights = torch.randn(n, generator=torch.Generator().manual_seed(0))
@@ -534,7 +547,9 @@ def test_a_newer_version_is_answered_within_the_snapshot_interval() -> None:
     learner's 32 deltas so). Asking again for the version it was just sent is
     still limited."""
     bind = endpoint()
-    syncer = ZmqSyncerTransport(bind, RUN, [0], snapshot_interval_s=30.0)
+    syncer = ZmqSyncerTransport(
+        bind, RUN, [0], options=ZmqOptions(snapshot_interval_s=30.0), identity_hold_s=15.0
+    )
     syncer.publish(global_fragment(0, 3))
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
@@ -573,7 +588,9 @@ def test_snapshot_requests_cost_one_fragment_per_peer_and_interval() -> None:
     """The attack: one 4 kB request listing fragment 0 4096 times made the syncer queue
     4096 copies of the fragment (866 MB); three such clients took it to 2.85 GB."""
     bind = endpoint()
-    syncer = ZmqSyncerTransport(bind, RUN, [0, 1], snapshot_interval_s=30.0)
+    syncer = ZmqSyncerTransport(
+        bind, RUN, [0, 1], options=ZmqOptions(snapshot_interval_s=30.0), identity_hold_s=15.0
+    )
     syncer.publish(global_fragment(0, 3))
     syncer.publish(global_fragment(1, 3))
     ctx = zmq.Context()

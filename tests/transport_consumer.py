@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from broker.redis.options import RedisOptions
 from broker.transport import SyncerTransport
 from broker.wire.messages import Delta, GlobalFragment
 
@@ -49,12 +50,13 @@ def make_transport(args: argparse.Namespace) -> SyncerTransport:
             args.run,
             consumer=args.syncer_id,
             fragments=fragments,
-            claim_idle_s=args.claim_idle_s,
             keys=RunKeys.load(args.keys, "syncer") if args.keys else None,
+            options=RedisOptions(claim_idle_s=args.claim_idle_s),
+            identity_hold_s=15.0,
         )
     from broker.zmq.transport import ZmqSyncerTransport
 
-    return ZmqSyncerTransport(args.url, args.run, fragments=fragments)
+    return ZmqSyncerTransport(args.url, args.run, fragments=fragments, identity_hold_s=15.0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,7 @@ from broker.redis.common import (
 )
 from broker.redis.deltas import DeltaQueue
 from broker.redis.globals import GlobalCheck, GlobalsReader, NoticeReader, SnapshotKeys
+from broker.redis.options import RedisOptions
 from broker.transport import LearnerTransport, TransportError, lease_request_ok
 from broker.wire.messages import Delta, Enroll, GlobalFragment, Heartbeat, LeaseRequest
 
@@ -85,34 +86,20 @@ class RedisLearnerTransport(LearnerTransport):
         incarnation: int,
         num_fragments: int,
         *,
-        max_message_bytes: int = 256 * 2**20,
-        max_unacked: int = 64,
-        delta_stream_maxlen: int = 10_000,
-        delta_stream_max_bytes: int = 2**30,
-        socket_timeout_s: float = 5.0,
+        options: RedisOptions = RedisOptions(),
         keys: RunKeys | None = None,
         identity: Identity | None = None,
         role: str = "learner",
     ) -> None:
         if num_fragments < 1:
             raise ConfigError(f"num_fragments must be >= 1, got {num_fragments}")
-        if max_unacked < 1:
-            raise ConfigError(f"max_unacked must be >= 1, got {max_unacked}")
-        if delta_stream_maxlen < 1:
-            raise ConfigError(f"delta_stream_maxlen must be >= 1, got {delta_stream_maxlen}")
-        if delta_stream_max_bytes < 1:
-            raise ConfigError(f"delta_stream_max_bytes must be >= 1, got {delta_stream_max_bytes}")
-        if max_message_bytes < 1024:
-            raise ConfigError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
-        if socket_timeout_s <= 0:
-            raise ConfigError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
+        max_message_bytes, socket_timeout_s = options.max_message_bytes, options.socket_timeout_s
         self.run_id = run_id
         self.learner_id = learner_id
         self.incarnation = incarnation
         self.num_fragments = num_fragments
+        self.options = options
         self.max_message_bytes = max_message_bytes
-        self.max_unacked = max_unacked
-        self.delta_stream_maxlen = delta_stream_maxlen
         super().__init__()
         self.heartbeats_dropped = 0  # superseded by a newer one before Redis took them
         self._unwritten_heartbeat: bytes | None = None
@@ -141,9 +128,9 @@ class RedisLearnerTransport(LearnerTransport):
             learner_id,
             num_fragments,
             max_message_bytes,
-            max_unacked,
-            delta_stream_maxlen,
-            delta_stream_max_bytes,
+            options.max_unacked,
+            options.delta_stream_maxlen,
+            options.delta_stream_max_bytes,
             self.stats,
         )
         verifier = GlobalVerifier(keys) if keys is not None else None

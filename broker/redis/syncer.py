@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import redis
 
+from broker.checks import check_positive
 from broker.errors import ConfigError
 from broker.identity.keys import RunKeys
 from broker.identity.members import MAX_MEMBERS
@@ -34,7 +35,6 @@ from broker.redis.access import SYNCER_USER, lock_down_if_open
 from broker.redis.admission import Admission
 from broker.redis.common import (
     FIELD,
-    GROUP,
     NOTICES_MAXLEN,
     NOTICES_TTL_S,
     RedisLink,
@@ -50,8 +50,8 @@ from broker.redis.common import (
 )
 from broker.redis.deltas import DeltaReader, DeltaTrimmer, Token
 from broker.redis.globals import GlobalCheck, GlobalsPublisher, SnapshotKeys
+from broker.redis.options import RedisOptions
 from broker.redis.shards import Fence, execute, transaction
-from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import MAX_LEARNER_SLOTS, Inbound, SyncerTransport, TransportStats
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat, Refusal
 
@@ -67,7 +67,6 @@ MAX_HEARTBEAT_BYTES = 4096
 # A joiner reads a fragment's weights and up to this many changes less one
 # (about 0.2 bytes per parameter each at int2): what it downloads stays near
 # the weights' 4 bytes per parameter.
-MAX_SNAPSHOT_EVERY = 64
 
 
 def warn_unless_durable(client: redis.Redis, consumer: str) -> None:
@@ -158,38 +157,19 @@ class RedisSyncerTransport(SyncerTransport):
         consumer: str,
         fragments: list[int],
         *,
-        group: str = GROUP,
-        max_message_bytes: int = 256 * 2**20,
-        claim_idle_s: float = 30.0,
-        globals_maxlen: int = 1000,
-        globals_max_bytes: int = 2**30,
-        snapshot_every: int = 8,
-        block_ms: int = 200,
-        socket_timeout_s: float = 5.0,
+        options: RedisOptions = RedisOptions(),
         num_fragments: int | None = None,
-        identity_hold_s: float = GONE_AFTER_HEARTBEATS * RunSettings.heartbeat_timeout_s,
+        # With keys: a learner id stays bound to its key until the key is silent this long.
+        identity_hold_s: float,
         keys: RunKeys | None = None,
         roster_cap: int = MAX_LEARNER_SLOTS,
         fence: Fence | None = None,
     ) -> None:
         if not fragments or len(set(fragments)) != len(fragments) or min(fragments) < 0:
             raise ConfigError(f"fragments must be distinct non-negative ids, got {fragments}")
-        if claim_idle_s <= 0:
-            raise ConfigError(f"claim_idle_s must be > 0, got {claim_idle_s}")
-        if globals_maxlen < 1:
-            raise ConfigError(f"globals_maxlen must be >= 1, got {globals_maxlen}")
-        if globals_max_bytes < 1:
-            raise ConfigError(f"globals_max_bytes must be >= 1, got {globals_max_bytes}")
-        if not 1 <= snapshot_every <= MAX_SNAPSHOT_EVERY:
-            raise ConfigError(
-                f"snapshot_every must be in [1, {MAX_SNAPSHOT_EVERY}], got {snapshot_every}"
-            )
-        if block_ms < 1:
-            raise ConfigError(f"block_ms must be >= 1 (0 would block forever), got {block_ms}")
-        if max_message_bytes < 1024:
-            raise ConfigError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
-        if socket_timeout_s <= 0:
-            raise ConfigError(f"socket_timeout_s must be > 0, got {socket_timeout_s}")
+        check_positive("identity_hold_s", identity_hold_s)
+        group, max_message_bytes = options.group, options.max_message_bytes
+        claim_idle_s, socket_timeout_s = options.claim_idle_s, options.socket_timeout_s
         if num_fragments is None:
             num_fragments = max(fragments) + 1
         if num_fragments <= max(fragments):
@@ -197,12 +177,12 @@ class RedisSyncerTransport(SyncerTransport):
         self.run_id = run_id
         self.consumer = consumer
         self.fragments = list(fragments)
+        self.options = options
         self.group = group
         self.max_message_bytes = max_message_bytes
         self.claim_idle_s = claim_idle_s
-        self.globals_maxlen = globals_maxlen
         self.stats = TransportStats()
-        self._max_block_s = min(block_ms / 1000, socket_timeout_s / 2)
+        self._max_block_s = min(options.block_ms / 1000, socket_timeout_s / 2)
         user = None
         if keys is not None and keys.redis_password is not None:
             user = (SYNCER_USER, keys.redis_password)
@@ -244,9 +224,10 @@ class RedisSyncerTransport(SyncerTransport):
         )  # fmt: skip
         self._socket_timeout_s = socket_timeout_s
         self._publisher = GlobalsPublisher(
-            self._link, run_id, consumer, globals_maxlen, globals_max_bytes, max_message_bytes,
+            self._link, run_id, consumer, options.globals_maxlen, options.globals_max_bytes,
+            max_message_bytes,
             self.stats,
-            GlobalSigner(keys) if keys else None, verifier, snapshot_every, fence,
+            GlobalSigner(keys) if keys else None, verifier, options.snapshot_every, fence,
         )  # fmt: skip
         self._fence = fence
         try:

@@ -12,8 +12,8 @@ import logging
 from dataclasses import dataclass
 
 from broker.checks import check_id, check_positive, require
-from broker.connect import parse_url
 from broker.identity.keys import RunKeys
+from broker.url import parse_url
 from broker.wire.codecs import Codec
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,13 @@ class RunSettings:
     keys: str = "keys"  # the run's key folder (`ddiloco keys`): enrollment, CURVE, signed globals
     metrics_host: str = "127.0.0.1"  # where --metrics-port endpoints listen
     insecure: bool = False  # no keys: anyone who reaches the broker can read and steer the run
+
+    @property
+    def gone_after_s(self) -> float:
+        """How long a learner may be silent before it is gone for good: its lease
+        slot and its learner id's key binding go to others, and rounds stop
+        waiting for it (GONE_AFTER_HEARTBEATS heartbeat timeouts)."""
+        return GONE_AFTER_HEARTBEATS * self.heartbeat_timeout_s
 
     def run_keys(self, role: str) -> RunKeys | None:
         """The keys ``role`` holds (``syncer``, ``learner``, ``reader``), or None

@@ -49,7 +49,7 @@ from typing import Any
 
 import zmq
 
-from broker.checks import check_positive, require
+from broker.checks import check_positive
 from broker.errors import ConfigError
 from broker.fragments import owner_shard
 from broker.identity.keys import (
@@ -63,7 +63,6 @@ from broker.identity.keys import (
 )
 from broker.identity.members import Members, SlotLeases
 from broker.identity.signing import GlobalSigner, GlobalVerifier
-from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import (
     MAX_LEARNER_SLOTS,
     Backpressure,
@@ -90,10 +89,10 @@ from broker.wire.messages import (
     WireError,
 )
 from broker.zmq.auth import GLOBALS_DOMAIN, REQUESTS_DOMAIN, ZapHandler
+from broker.zmq.options import ZmqOptions
 
 log = logging.getLogger(__name__)
 GLOBALS_TOPIC = b"g"
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _FRAME_OVERHEAD = 64 * 1024 + 16  # header limit + prefix + checksum
 # Parts at least this big are sent zero-copy (libzmq reads the bytes object
 # itself); below it a copy is cheaper than the bookkeeping.
@@ -208,14 +207,6 @@ def _destroyed_on_error(
         raise
 
 
-def _check_options(**values: int) -> None:
-    """Integer options that come from a URL: whole numbers >= 1 (bytes: >= 1 KiB)."""
-    for name, value in values.items():
-        require(type(value) is int, f"{name}={value!r}: must be an integer")
-        least = 1024 if name.endswith("_bytes") else 1
-        require(value >= least, f"{name}={value}: must be >= {least}")
-
-
 def _send(sock: zmq.Socket[bytes], parts: Parts, flags: int = 0) -> None:
     """Send ``parts`` as one message without blocking (under CURVE, large parts
     in frames of ``_CURVE_FRAME_BYTES``). Raises ``zmq.Again`` only before
@@ -310,9 +301,7 @@ class DeltaSender:
         dealers: list[zmq.Socket[bytes]],
         learner_id: str,
         incarnation: int,
-        max_message_bytes: int,
-        max_unacked: int,
-        ack_timeout_s: float,
+        options: ZmqOptions,
         stats: TransportStats,
         introduce: Callable[[int], object] = lambda owner: None,
     ) -> None:
@@ -324,9 +313,9 @@ class DeltaSender:
         self._introduce = introduce
         self._learner_id = learner_id
         self._incarnation = incarnation
-        self._max_message_bytes = max_message_bytes
-        self._max_unacked = max_unacked
-        self._ack_timeout_s = ack_timeout_s
+        self._max_message_bytes = options.max_message_bytes
+        self._max_unacked = options.max_unacked
+        self._ack_timeout_s = options.ack_timeout_s
         self._stats = stats
         self._unacked: dict[int, _Pending] = {}
 
@@ -534,10 +523,7 @@ class ZmqLearnerTransport(LearnerTransport):
         incarnation: int,
         num_fragments: int,
         *,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        max_unacked: int = 64,
-        ack_timeout_s: float = 5.0,
-        send_hwm: int = 1000,
+        options: ZmqOptions = ZmqOptions(),
         keys: RunKeys | None = None,
         identity: Identity | None = None,
         role: str = "learner",
@@ -558,18 +544,12 @@ class ZmqLearnerTransport(LearnerTransport):
             else None
         )
         self._resolve_host = resolve_host
-        _check_options(
-            max_message_bytes=max_message_bytes, max_unacked=max_unacked, send_hwm=send_hwm
-        )
-        check_positive("ack_timeout_s", ack_timeout_s)
-        require(math.isfinite(ack_timeout_s), f"ack_timeout_s={ack_timeout_s}: must be finite")
         self.run_id = run_id
         self.learner_id = learner_id
         self.incarnation = incarnation
         self.num_fragments = num_fragments
-        self.max_message_bytes = max_message_bytes
-        self.max_unacked = max_unacked
-        self.ack_timeout_s = ack_timeout_s
+        self.options = options
+        self.max_message_bytes = options.max_message_bytes
         super().__init__()
         # With the run's keys: CURVE to every syncer under this process's own
         # key, enrolled with the join secret, and every global's signature checked.
@@ -595,15 +575,13 @@ class ZmqLearnerTransport(LearnerTransport):
         self._resubscribe_at: dict[int, float] = {}
         self._poller = zmq.Poller()
         with _destroyed_on_error(self._ctx):
-            self._connect(f"{learner_id}/{incarnation}".encode(), max_message_bytes, send_hwm)
+            self._connect(f"{learner_id}/{incarnation}".encode(), options)
         self._enroll()
         self._deltas = DeltaSender(
             self._dealers,
             learner_id,
             incarnation,
-            max_message_bytes,
-            max_unacked,
-            ack_timeout_s,
+            options,
             self.stats,
             self._introduce,
         )
@@ -616,9 +594,9 @@ class ZmqLearnerTransport(LearnerTransport):
         # While snapshot() runs: the weights the caller holds.
         self._held: Mapping[int, Any] = {}
 
-    def _connect(self, identity: bytes, max_message_bytes: int, send_hwm: int) -> None:
+    def _connect(self, identity: bytes, options: ZmqOptions) -> None:
         for _ in self._shard_endpoints:
-            dealer = _socket(self._ctx, zmq.DEALER, max_message_bytes)
+            dealer = _socket(self._ctx, zmq.DEALER, options.max_message_bytes)
             if self._identity is None:
                 dealer.setsockopt(zmq.IDENTITY, identity)
             # else: the syncer names the connection (no handover of a chosen id)
@@ -628,7 +606,7 @@ class ZmqLearnerTransport(LearnerTransport):
             # one endpoint for several shards, nothing for the other shards'
             # addresses, where nobody listens on this shard's port.
             dealer.setsockopt(zmq.IMMEDIATE, 1)
-            dealer.setsockopt(zmq.SNDHWM, send_hwm)
+            dealer.setsockopt(zmq.SNDHWM, options.send_hwm)
             self._for_lookup(dealer)
             self._poller.register(dealer, zmq.POLLIN)
             self._dealers.append(dealer)
@@ -1021,26 +999,19 @@ class ZmqSyncerTransport(SyncerTransport):
         run_id: str,
         fragments: list[int],
         *,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        send_hwm: int = 1000,
-        max_batch: int = 1000,
-        # A snapshot is a whole fragment: on a 10 Mbit/s link a 4-fragment join takes
-        # seconds, and learners retry from 0.5 s, so a short interval sent every
-        # fragment again while the first answer was still on its way.
-        snapshot_interval_s: float = 2.0,
+        options: ZmqOptions = ZmqOptions(),
         # With keys: a learner id stays bound to its key until the key is silent this long.
-        identity_hold_s: float = GONE_AFTER_HEARTBEATS * RunSettings.heartbeat_timeout_s,
+        identity_hold_s: float,
         keys: RunKeys | None = None,
         roster_cap: int = MAX_LEARNER_SLOTS,
     ) -> None:
-        _check_options(max_message_bytes=max_message_bytes, max_batch=max_batch, send_hwm=send_hwm)
         check_positive("identity_hold_s", identity_hold_s)
-        check_positive("snapshot_interval_s", snapshot_interval_s, allow_zero=True)
-        self.snapshot_interval_s = snapshot_interval_s
+        max_message_bytes, send_hwm = options.max_message_bytes, options.send_hwm
         self.run_id = run_id
         self.fragments = set(fragments)
         self.max_message_bytes = max_message_bytes
-        self.max_batch = max_batch
+        self.options = options
+        self.max_batch = options.max_batch
         self.stats = TransportStats()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._signer = GlobalSigner(keys) if keys else None
@@ -1067,7 +1038,7 @@ class ZmqSyncerTransport(SyncerTransport):
         # A rotated CURVE key (`ddiloco keys rotate-curve`) is taken up by binding
         # again: a bound socket keeps the key it was bound with.
         self._curve_watch = FileWatch(keys.folder / CURVE_SECRET) if keys else None
-        self._latest = LatestGlobals(snapshot_interval_s, self.stats)
+        self._latest = LatestGlobals(options.snapshot_interval_s, self.stats)
         self._leases = SlotLeases(self.stats, roster_cap)
 
     @staticmethod

@@ -87,14 +87,14 @@ def _field_comments(cls: type) -> dict[str, str]:
     return {m[1]: m[2] for line in source.splitlines() if (m := _FIELD_COMMENT.match(line))}
 
 
-def _leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
+def leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
     """(flattened name, type, help) of every non-group field, depth first."""
     hints = typing.get_type_hints(cls)
     comments = _field_comments(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if _is_group(tp):
-            yield from _leaves(tp, prefix + f.metadata.get("flag_prefix", ""))
+            yield from leaves(tp, prefix + f.metadata.get("flag_prefix", ""))
         else:
             default = f.default_factory() if callable(f.default_factory) else f.default
             shown = "" if default is dataclasses.MISSING else f"default {flag_text(default)}"
@@ -109,7 +109,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add a flag for every (flattened) field of ``cls``; ``ValueError`` for a
     ``DDILOCO_*`` variable that does not parse."""
     seen: set[str] = set()
-    for name, tp, description in _leaves(cls):
+    for name, tp, description in leaves(cls):
         if name in seen:
             raise TypeError(f"{cls.__name__}: two settings flatten to --{name}")
         seen.add(name)
