@@ -39,12 +39,14 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Defined in broker.errors; re-exported here, where the transports import them.
 from broker.errors import Backpressure as Backpressure
 from broker.errors import TransportError as TransportError
-from broker.wire.messages import Delta, GlobalFragment, Heartbeat
+
+if TYPE_CHECKING:  # the messages hold tensors: torch is not loaded for types alone
+    from broker.wire.messages import Delta, GlobalFragment, Heartbeat
 
 # Bounds of learner slots, so that no peer can hold slots without end or many
 # of them: a lease outlives its holder by at most an hour, and the slots of

@@ -24,20 +24,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from broker.cli_config import add_dataclass_args, dataclass_from_args
 from broker.errors import ConfigError, DdilocoError
-from broker.run.settings import RunSettings
-from compose.chaos_run import ChaosConfig, run_chaos
-from compose.reporter import ReportConfig, run_report
-from compose.throttle import ThrottleConfig
-from learner.config import EvaluatorConfig, InitConfig, LearnerConfig
-from syncer.config import SyncerConfig
+from broker.identity.keys import DEFAULT_KEYS_DIR
 
-SERVICES = {
-    "init": (InitConfig, "write the initial global model and its fragment plan"),
-    "syncer": (SyncerConfig, "run one syncer"),
-    "learner": (LearnerConfig, "run one learner"),
-    "evaluator": (EvaluatorConfig, "report the held-out loss of the global model"),
+# Each command, and what it does. A command's options are added only when it
+# is the one run (or for the reference, docs/cli.md): `ddiloco keys` loads
+# neither torch nor the services' configs.
+COMMANDS = {
+    "local": "init, a syncer, M learners and an evaluator here",
+    "init": "write the initial global model and its fragment plan",
+    "syncer": "run one syncer",
+    "learner": "run one learner",
+    "evaluator": "report the held-out loss of the global model",
+    "report": "write summary.json, metrics.jsonl and plots of a run folder",
+    "chaos": "crash containers or local processes on a Poisson schedule",
+    "keys": "make a run's keys; revoke a learner; rotate keys",
+    "throttle": "rate limits on learners' links (tc tbf)",
 }
 
 
@@ -49,10 +51,6 @@ def _setup_logging(level: str) -> None:
     )
 
 
-TOOLS = {
-    "report": (ReportConfig, "write summary.json, metrics.jsonl and plots of a run folder"),
-    "chaos": (ChaosConfig, "crash containers or local processes on a Poisson schedule"),
-}
 THROTTLE_ACTIONS = {
     "set": "limit each target's link to --rate in both directions",
     "show": "show each target's limits",
@@ -102,82 +100,134 @@ def run_keys(action: str, folder: str, learner_id: str | None, force: bool) -> i
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="ddiloco", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--log-level", default="info")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _config_class(command: str) -> type:
+    """The config dataclass of a command that has one."""
+    if command == "local":
+        from compose.local import LocalConfig
 
-    from compose.local import LocalConfig, run_local
+        return LocalConfig
+    if command == "report":
+        from compose.reporter import ReportConfig
 
-    try:
-        add_dataclass_args(
-            sub.add_parser("local", help="init, a syncer, M learners and an evaluator here"),
-            LocalConfig,
-        )
-        for name, (cls, text) in (SERVICES | TOOLS).items():
-            add_dataclass_args(sub.add_parser(name, help=text), cls)
-        keys = sub.add_parser("keys", help="make a run's keys; revoke a learner; rotate keys")
-        keys.add_argument(
+        return ReportConfig
+    if command == "chaos":
+        from compose.chaos_run import ChaosConfig
+
+        return ChaosConfig
+    if command == "throttle":
+        from compose.throttle import ThrottleConfig
+
+        return ThrottleConfig
+    if command == "syncer":
+        from syncer.config import SyncerConfig
+
+        return SyncerConfig
+    from learner.config import EvaluatorConfig, InitConfig, LearnerConfig
+
+    return {"init": InitConfig, "learner": LearnerConfig, "evaluator": EvaluatorConfig}[command]
+
+
+def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
+    if command == "keys":
+        parser.add_argument(
             "action", nargs="?", default="make", choices=KEY_ACTIONS,
             help="make the keys; revoke LEARNER_ID; rotate the signing key; rotate-curve the "
             "syncers' CURVE key; rotate-tls the Redis server's certificate; acl: write "
             "redis.acl again (a folder made by an earlier release)",
         )  # fmt: skip
-        keys.add_argument("learner_id", nargs="?", help="revoke: the learner to shut out")
-        keys.add_argument("--keys", default=RunSettings.keys, help="the run's key folder")
-        keys.add_argument("--force", action="store_true", help="make: replace existing keys")
-        throttle = sub.add_parser("throttle", help="rate limits on learners' links (tc tbf)")
-        actions = throttle.add_subparsers(dest="action", required=True)
-        for action, text in THROTTLE_ACTIONS.items():
-            add_dataclass_args(actions.add_parser(action, help=text), ThrottleConfig)
+        parser.add_argument("learner_id", nargs="?", help="revoke: the learner to shut out")
+        parser.add_argument("--keys", default=DEFAULT_KEYS_DIR, help="the run's key folder")
+        parser.add_argument("--force", action="store_true", help="make: replace existing keys")
+        return
+    from broker.cli_config import add_dataclass_args
+
+    cls = _config_class(command)
+    if command != "throttle":
+        add_dataclass_args(parser, cls)
+        return
+    actions = parser.add_subparsers(dest="action", required=True)
+    for action, text in THROTTLE_ACTIONS.items():
+        add_dataclass_args(actions.add_parser(action, help=text), cls)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``ddiloco`` parser, with the options of ``command`` (every command's
+    when None: the reference in docs/cli.md is made from that one).
+    :class:`ConfigError` for a DDILOCO_* variable that does not parse."""
+    parser = argparse.ArgumentParser(
+        prog="ddiloco", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--log-level", default="info")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=text)
+        if command is None or command == name:
+            _add_options(command_parser, name)
+    return parser
+
+
+def _command_in(argv: list[str]) -> str | None:
+    """The command ``argv`` names (the first word that is one), if any."""
+    return next((word for word in argv if word in COMMANDS), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        parser = build_parser(_command_in(argv) or "")
     except ConfigError as e:  # a DDILOCO_* variable that does not parse
         print(f"ddiloco: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
     _setup_logging(args.log_level)
     try:
-        if args.command == "local":
-            return run_local(dataclass_from_args(LocalConfig, args))
         if args.command == "keys":
             return run_keys(args.action, args.keys, args.learner_id, args.force)
-        if args.command == "report":
-            return run_report(dataclass_from_args(ReportConfig, args))
-        if args.command == "chaos":
-            return run_chaos(dataclass_from_args(ChaosConfig, args))
-        if args.command == "throttle":
-            from compose.throttle import apply
-
-            for record in apply(args.action, dataclass_from_args(ThrottleConfig, args)):
-                print(json.dumps(record), flush=True)
-            return 0
-        cls = SERVICES[args.command][0]
-        cfg: Any = dataclass_from_args(cls, args)
-        if isinstance(cfg, InitConfig):
-            from learner.workload import write_initial
-
-            write_initial(cfg.run, cfg.workload)
-            return 0
-        if isinstance(cfg, LearnerConfig):
-            from learner.startup import run_learner
-
-            return run_learner(cfg)
-        if isinstance(cfg, EvaluatorConfig):
-            from learner.startup import run_evaluator
-
-            return run_evaluator(cfg)
-        from syncer.service import run_syncer
-
-        assert isinstance(cfg, SyncerConfig)
-        run_syncer(cfg)
-        return 0
+        return _run(args)
     except (DdilocoError, OSError) as e:
         # What a user can fix (a bad value, a port in use, a path that is a file):
         # one line that says which, not a traceback. Anything else is a bug: its
         # traceback is what to report.
         print(f"ddiloco {args.command}: {e}", file=sys.stderr)
         return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    """A command that has a config dataclass, run."""
+    from broker.cli_config import dataclass_from_args
+
+    cfg: Any = dataclass_from_args(_config_class(args.command), args)
+    if args.command == "local":
+        from compose.local import run_local
+
+        return run_local(cfg)
+    if args.command == "report":
+        from compose.reporter import run_report
+
+        return run_report(cfg)
+    if args.command == "chaos":
+        from compose.chaos_run import run_chaos
+
+        return run_chaos(cfg)
+    if args.command == "throttle":
+        from compose.throttle import apply
+
+        for record in apply(args.action, cfg):
+            print(json.dumps(record), flush=True)
+        return 0
+    if args.command == "init":
+        from learner.workload import write_initial
+
+        write_initial(cfg.run, cfg.workload)
+        return 0
+    if args.command in ("learner", "evaluator"):
+        from learner.startup import run_evaluator, run_learner
+
+        return run_learner(cfg) if args.command == "learner" else run_evaluator(cfg)
+    from syncer.service import run_syncer
+
+    run_syncer(cfg)
+    return 0
 
 
 if __name__ == "__main__":

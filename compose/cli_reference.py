@@ -20,11 +20,11 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
 
 from broker.cli_config import ENV_PREFIX, leaves
 from broker.redis.options import RedisOptions
 from broker.zmq.options import ZmqOptions
+from compose.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = Path("docs") / "cli.md"
@@ -53,34 +53,16 @@ class Command:
     rows: tuple[Row, ...]
 
 
-class _Built(BaseException):
-    """Carries the parser out of ``compose.cli.main`` before it parses anything."""
-
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        super().__init__()
-        self.parser = parser
-
-
 def ddiloco_parser() -> argparse.ArgumentParser:
-    """The top-level parser that ``ddiloco`` builds, taken before it parses anything."""
-    from compose import cli
-
-    def stop(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
-        raise _Built(self)
-
+    """The ``ddiloco`` parser with every command's options, DDILOCO_* variables of
+    this shell left out (their values would show as defaults)."""
     saved_env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
-    saved_parse = argparse.ArgumentParser.parse_args
     for key in saved_env:
         del os.environ[key]
-    argparse.ArgumentParser.parse_args = stop  # type: ignore[method-assign]
     try:
-        code = cli.main([])
-    except _Built as built:
-        return built.parser
+        return build_parser()
     finally:
-        argparse.ArgumentParser.parse_args = saved_parse  # type: ignore[method-assign]
         os.environ.update(saved_env)
-    raise RuntimeError(f"compose.cli.main returned {code} before parsing its arguments")
 
 
 def _row(action: argparse.Action) -> Row:

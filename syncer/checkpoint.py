@@ -33,7 +33,8 @@ from typing import Any
 import msgpack
 import torch
 
-from broker.files import atomic_write, fsync_dir, load_tensors, save_tensors
+from broker.files import atomic_write, fsync_dir
+from broker.run.tensor_files import load_tensors, save_tensors
 
 # A log record: the body's length and CRC-32, then the body (msgpack).
 _RECORD_HEAD = struct.Struct("<II")

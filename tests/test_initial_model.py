@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from broker.errors import ConfigError
-from broker.files import load_tensors, save_tensors
 from broker.fragments import FragmentPlan
 from broker.run.initial_model import read_initial_model, write_initial_model
 from broker.run.settings import RunSettings
+from broker.run.tensor_files import load_tensors, save_tensors
 from learner.config import WorkloadConfig
 from learner.model import ModelConfig
 from learner.workload import WorkloadContext, load_workload, write_initial

@@ -54,6 +54,7 @@ from broker.identity.tls import TLS_CA, make_tls
 
 log = logging.getLogger(__name__)
 
+DEFAULT_KEYS_DIR = "keys"  # a run's key folder where none is named
 JOIN_SECRET = "join.secret"
 CURVE_SECRET = "syncer.curve"
 CURVE_PUBLIC = "syncer.curve.pub"

@@ -14,10 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from broker.identity.keys import RunKeys, proof_ok
 from broker.transport import MAX_LEARNER_SLOTS, TransportStats, lease_request_ok, slot_of
-from broker.wire.messages import Enroll, LeaseRequest
+
+if TYPE_CHECKING:  # the messages hold tensors: torch is not loaded for types alone
+    from broker.wire.messages import Enroll, LeaseRequest
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from broker.errors import ConfigError
-from broker.files import load_tensors, save_tensors
 from broker.fragments import FragmentPlan
+from broker.run.tensor_files import load_tensors, save_tensors
 
 FORMAT = "ddiloco-initial-model/1"
 

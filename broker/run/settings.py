@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from broker.checks import check_id, check_positive, require
-from broker.identity.keys import RunKeys
+from broker.identity.keys import DEFAULT_KEYS_DIR, RunKeys
 from broker.url import parse_url
 from broker.wire.codecs import Codec
 
@@ -61,7 +61,7 @@ class RunSettings:
     # change from the one before (README: compressed downlink)
     global_codec: Codec = Codec("int2", "zstd")
     initial_model: str = "initial-model.safetensors"  # written by `ddiloco init`
-    keys: str = "keys"  # the run's key folder (`ddiloco keys`): enrollment, CURVE, signed globals
+    keys: str = DEFAULT_KEYS_DIR  # the run's key folder (`ddiloco keys`): join, CURVE, signing keys
     metrics_host: str = "127.0.0.1"  # where --metrics-port endpoints listen
     insecure: bool = False  # no keys: anyone who reaches the broker can read and steer the run
 

@@ -1,0 +1,57 @@
+"""What a module loads: tools that handle no tensors never load torch, and no
+import cycle ties the project's modules, folders or packages together."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def loaded_after(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running ``code``."""
+    probe = f"{code}\nimport sys\nprint(' '.join(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return set(out.stdout.split())
+
+
+@pytest.mark.parametrize(
+    "what, code",
+    [
+        (
+            "ddiloco keys --help",
+            "from compose.cli import main\ntry:\n    main(['keys', '--help'])\n"
+            "except SystemExit:\n    pass",
+        ),
+        (
+            "ddiloco --help",
+            "from compose.cli import main\ntry:\n    main(['--help'])\n"
+            "except SystemExit:\n    pass",
+        ),  # fmt: skip
+        ("the ZAP handler", "import broker.zmq.auth"),
+        ("the Redis ACL users", "import broker.redis.access"),
+        ("a run's key folder", "import broker.run.key_folder"),
+    ],
+)
+def test_what_needs_no_tensors_loads_no_torch(what: str, code: str) -> None:
+    loaded = loaded_after(code)
+    assert "broker" in loaded or "compose" in loaded, f"{what}: the probe ran nothing"
+    assert "torch" not in loaded, f"{what} loads torch"
+
+
+def test_the_services_do_load_torch() -> None:
+    """The probe can see torch: a learner's config holds codecs, which need it."""
+    assert "torch" in loaded_after("import learner.config")
+
+
+def test_no_import_cycle_between_modules_folders_or_packages() -> None:
+    result = subprocess.run(
+        [sys.executable, ".ci/import_graph.py"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
