@@ -122,3 +122,42 @@ def test_relative_links_resolve(page: Path) -> None:
         elif REPO not in linked.parents and linked != REPO:
             broken.append(f"{target}: outside the repository")
     assert not broken, f"{page.relative_to(REPO)}:\n" + "\n".join(broken)
+
+
+def test_benchmarks_readme_is_current_tables_then_history() -> None:
+    """benchmarks/README.md: before `## History`, every section is one table of current
+    figures (measured, figure, command, commit); no table cell anywhere over 200 characters."""
+    text = _FENCE.sub("", (REPO / "benchmarks" / "README.md").read_text(encoding="utf-8"))
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+
+    long_cells = [
+        f"{len(cell)} characters: {cell[:60]}..."
+        for line in text.splitlines()
+        if line.startswith("|")
+        for cell in cells(line)
+        if len(cell) > 200
+    ]
+    assert not long_cells, "table cells over 200 characters:\n" + "\n".join(long_cells)
+
+    current, history, _ = text.partition("\n## History\n")
+    assert history, "no '## History' heading"
+    intro, *sections = re.split(r"^## ", current, flags=re.M)
+    assert not any(line.startswith("|") for line in intro.splitlines()), "a table in the intro"
+    assert sections, "no section of current tables before '## History'"
+    for section in sections:
+        lines = section.splitlines()
+        title = lines[0]
+        at = [i for i, line in enumerate(lines) if line.startswith("|")]
+        assert at, f"{title}: no table"
+        assert at == list(range(at[0], at[0] + len(at))), f"{title}: more than one table"
+        header, rule, *rows = (lines[i] for i in at)
+        assert cells(header) == ["measured", "figure", "command", "commit"], f"{title}: header"
+        assert set(rule) <= set("|-: "), f"{title}: no header rule"
+        assert rows, f"{title}: an empty table"
+        for row in rows:
+            row_cells = cells(row)
+            assert len(row_cells) == 4, f"{title}: {row[:60]}: not 4 cells"
+            assert all(row_cells), f"{title}: {row[:60]}: an empty cell"
+            assert re.search(r"\b[0-9a-f]{7,40}\b", row_cells[3]), f"{title}: {row[:60]}: commit"
