@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from broker.cli_config import add_dataclass_args, dataclass_from_args
+from broker.errors import MeasurementError
 from compose.local import LocalConfig
 from learner.worker import inner_optimizer, inner_step, lr_at
 from learner.workload import WorkloadContext, load_workload
@@ -62,7 +63,7 @@ def _processes(count: int, steps: int, extra: list[str]) -> list[float]:
     outputs = [p.communicate()[0] for p in procs]
     for cmd, p in zip(cmds, procs, strict=True):
         if p.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} exited with {p.returncode}")
+            raise MeasurementError(f"{' '.join(cmd)} exited with {p.returncode}")
     return [float(out.split()[-1]) for out in outputs]
 
 

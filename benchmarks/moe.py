@@ -34,6 +34,7 @@ from typing import Any
 
 from benchmarks import quality
 from benchmarks.local_run import local_run
+from broker.errors import MeasurementError
 from compose.reporter import read_jsonl
 
 WORKLOAD = "learner.moe:moe_gpt"
@@ -66,7 +67,7 @@ def run_moe(
         evals = [e for e in read_jsonl(folder / "metrics.jsonl") if e["event"] == "eval"]
         shares = evals[-1].get("expert_shares") if evals else None
         if shares is None:
-            raise RuntimeError(f"{folder}: the final evaluation logged no expert_shares")
+            raise MeasurementError(f"{folder}: the final evaluation logged no expert_shares")
         return {
             "system": system,
             "seed": seed,

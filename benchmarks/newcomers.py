@@ -31,6 +31,7 @@ from typing import Any
 
 from benchmarks.local_run import local_run
 from benchmarks.quality import TINY
+from broker.errors import MeasurementError
 from compose.report import eval_curve_seconds
 from compose.reporter import read_jsonl
 
@@ -63,7 +64,7 @@ def run_once(out: Path, mode: dict[str, Any], name: str, extra: list[str]) -> di
         for n in newcomers:
             began = next(e["t"] for e in events if e.get("process") == n)
             if began < due:
-                raise RuntimeError(f"{folder}: {n} started before step {max(join_at)}")
+                raise MeasurementError(f"{folder}: {n} started before step {max(join_at)}")
         total = sum(v["merged_tokens"] for v in merged.values())
         return {
             "name": name,

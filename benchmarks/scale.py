@@ -91,7 +91,7 @@ import torch
 
 from broker.cli_config import dataclass_to_args
 from broker.connect import connect_learner
-from broker.errors import Backpressure
+from broker.errors import Backpressure, MeasurementError
 from broker.fragments import FragmentPlan, ParamSpec, owned_fragments, owner_shard
 from broker.identity.keys import Identity
 from broker.run.initial_model import write_initial_model
@@ -340,7 +340,7 @@ def _start_syncer(
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file)
     assert proc.stdout is not None
     if proc.stdout.readline().strip() != b"ready":
-        raise RuntimeError(f"syncer {shard} did not start; see {folder / 'syncers.log'}")
+        raise MeasurementError(f"syncer {shard} did not start; see {folder / 'syncers.log'}")
     return proc
 
 
@@ -610,7 +610,7 @@ def _in_child(target: Any, *args: Any) -> dict[str, Any]:
         except queue.Empty:
             if not child.is_alive():
                 exitcode = child.exitcode
-                raise RuntimeError(
+                raise MeasurementError(
                     f"{target.__name__} exited ({exitcode}) with no figures"
                 ) from None
     child.join()

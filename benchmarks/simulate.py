@@ -58,6 +58,8 @@ from typing import Any
 
 import numpy as np
 
+from broker.errors import ConfigError
+
 SECONDS_PER_YEAR = 365 * 86400
 CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 PAPER_SYSTEMS = ("dp", "dp_elastic", "M=2", "M=4", "M=8", "M=16")
@@ -96,11 +98,11 @@ class Parameters:
         for f in fields(self):
             value = getattr(self, f.name)
             if not value >= 0:  # also rejects NaN
-                raise ValueError(f"{f.name} must be >= 0, got {value}")
+                raise ConfigError(f"{f.name} must be >= 0, got {value}")
         if self.mtbi_s == 0:
-            raise ValueError("mtbi_s must be > 0 (use math.inf for no failures)")
+            raise ConfigError("mtbi_s must be > 0 (use math.inf for no failures)")
         if self.recover_throughput > 1:
-            raise ValueError(f"recover_throughput is a fraction, got {self.recover_throughput}")
+            raise ConfigError(f"recover_throughput is a fraction, got {self.recover_throughput}")
 
 
 # name -> (unit, where the value comes from)
@@ -159,7 +161,7 @@ def system_layout(system: str) -> tuple[bool, int]:
         return True, 1
     if system.startswith("M=") and system[2:].isdigit() and int(system[2:]) >= 1:
         return True, int(system[2:])
-    raise ValueError(f"unknown system {system!r}: use dp, dp_elastic or M=<learners>")
+    raise ConfigError(f"unknown system {system!r}: use dp, dp_elastic or M=<learners>")
 
 
 def expected_goodput(chips: float, policy: GroupPolicy, mtbi_s: float) -> float:
@@ -197,7 +199,7 @@ def simulate_group(
     between consecutive events.
     """
     if chips <= 0 or horizon_s <= 0 or batches < 1:
-        raise ValueError("chips, horizon_s and batches must be positive")
+        raise ConfigError("chips, horizon_s and batches must be positive")
     rate = chips / mtbi_s
     if rate == 0:
         return np.ones(batches)

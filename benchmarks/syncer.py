@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from broker.errors import MeasurementError
 from broker.run.settings import RunSettings
 from broker.wire.codecs import Codec
 from broker.wire.messages import Delta
@@ -88,12 +89,12 @@ def one_round(
         status = state.offer(delta, tensor, None, 0.0, wall_s=wall_s, step_s=None)
         times["offer_s"] += time.perf_counter() - start
         if status != "accepted":
-            raise RuntimeError(f"the benchmark's delta was not accepted: {status}")
+            raise MeasurementError(f"the benchmark's delta was not accepted: {status}")
     start = time.perf_counter()
     result = state.close(wall_s=wall_s + 1.0)
     times["close_s"] = time.perf_counter() - start
     if result.included != len(payloads):
-        raise RuntimeError(f"{result.included} of {len(payloads)} deltas merged")
+        raise MeasurementError(f"{result.included} of {len(payloads)} deltas merged")
     times["total_s"] = times["decode_s"] + times["offer_s"] + times["close_s"]
     return times
 

@@ -51,6 +51,7 @@ from typing import Any, cast
 import numpy as np
 
 from broker.connect import connect_learner, connect_syncer
+from broker.errors import MeasurementError
 from broker.identity.keys import RunKeys
 from broker.identity.signing import GlobalSigner, GlobalVerifier
 from broker.run.key_folder import make_keys
@@ -100,7 +101,7 @@ def measure(
     proc = ctx.Process(target=_syncer, args=(url, ready, stop, keys_dir), daemon=True)
     proc.start()
     if not ready.wait(_START_TIMEOUT_S):
-        raise RuntimeError("syncer side did not start")
+        raise MeasurementError("syncer side did not start")
     # A deep window and a long ack timeout: measure throughput, not resends.
     sep = "&" if "?" in url else "?"
     learner = connect_learner(
@@ -146,7 +147,7 @@ def measure(
                         # soon as an acknowledgement arrives.
                         learner.poll(0.01)
             if not learner.flush(300):
-                raise RuntimeError(f"{learner.unacked} deltas never acknowledged")
+                raise MeasurementError(f"{learner.unacked} deltas never acknowledged")
             elapsed = time.perf_counter() - start
         wire_bytes = learner.stats.bytes_sent
     finally:
@@ -185,7 +186,7 @@ def measure_raw_zmq(endpoint: str, size_bytes: int, count: int) -> dict[str, Any
     proc = ctx_mp.Process(target=_raw_zmq_receiver, args=(endpoint, ready, stop), daemon=True)
     proc.start()
     if not ready.wait(_START_TIMEOUT_S):
-        raise RuntimeError("raw ZeroMQ receiver did not start")
+        raise MeasurementError("raw ZeroMQ receiver did not start")
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(endpoint)
@@ -234,7 +235,7 @@ def measure_raw_redis(url: str, size_bytes: int, count: int) -> dict[str, Any]:
     proc = ctx_mp.Process(target=_raw_redis_consumer, args=(url, stream, ready, stop), daemon=True)
     proc.start()
     if not ready.wait(_START_TIMEOUT_S):
-        raise RuntimeError("raw Redis consumer did not start")
+        raise MeasurementError("raw Redis consumer did not start")
     client = redis.Redis.from_url(url)
     body = np.random.default_rng(0).standard_normal(size_bytes // 4, dtype=np.float32).tobytes()
     try:
@@ -302,7 +303,7 @@ def signature_costs(sizes_mb: tuple[float, ...], repeats: int = 5) -> list[dict[
             sign_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             if not verifier.verify(signed):
-                raise RuntimeError("a signature did not verify")
+                raise MeasurementError("a signature did not verify")
             verify_s.append(time.perf_counter() - start)
         out.append(
             {

@@ -49,6 +49,7 @@ from benchmarks import compute_floor
 from benchmarks.local_run import local_run
 from benchmarks.quality import SYSTEMS as QUALITY_SYSTEMS
 from benchmarks.quality import TINY
+from broker.errors import MeasurementError
 from compose.reporter import read_jsonl
 
 SYSTEMS: dict[str, list[str]] = {
@@ -85,7 +86,7 @@ def step_time(folder: Path, warmup: int) -> tuple[float, int]:
         times.append((t1 - t0) / (s1 - s0))
         spans.append(s1 - s0)
     if not times:
-        raise RuntimeError(f"{folder}: no learner logged two steps after step {warmup}")
+        raise MeasurementError(f"{folder}: no learner logged two steps after step {warmup}")
     return statistics.mean(times), min(spans)
 
 

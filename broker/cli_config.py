@@ -111,7 +111,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     seen: set[str] = set()
     for name, tp, description in leaves(cls):
         if name in seen:
-            raise TypeError(f"{cls.__name__}: two settings flatten to --{name}")
+            raise ConfigError(f"{cls.__name__}: two settings flatten to --{name}")
         seen.add(name)
         conv, is_list = _converter(tp)
         optional = _is_optional(tp)

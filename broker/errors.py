@@ -45,6 +45,11 @@ class CodecError(DdilocoError, ValueError):
     """Bytes that do not decode under the named codec, or a bad codec name."""
 
 
+class MeasurementError(DdilocoError):
+    """A benchmark or tool could not measure what it was asked: a process it
+    started did not come up, or finished without the figures."""
+
+
 class TrustError(DdilocoError):
     """A delta the syncer will not merge; ``reason`` names why (for metrics)."""
 

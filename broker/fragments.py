@@ -255,7 +255,7 @@ class FragmentPlan:
         expected = self.fragment_numel(fragment)
         if flat.ndim != 1 or flat.numel() != expected:
             # Callers check sizes first (a global's numel against the plan): a bug.
-            raise ValueError(
+            raise ConfigError(
                 f"fragment {fragment} has {expected} elements, got shape {tuple(flat.shape)}"
             )
         out: dict[str, torch.Tensor] = {}

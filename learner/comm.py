@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from broker.errors import ConfigError
 from broker.transport import Backpressure, LearnerTransport, candidate_order
 from broker.wire.codecs import Codec
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat
@@ -76,7 +77,7 @@ class CommThread(threading.Thread):
     ) -> None:
         super().__init__(name="ddiloco-comm", daemon=True)
         if max_queued_bytes < 1:  # computed by the caller, never a user's value: a bug
-            raise ValueError(f"max_queued_bytes must be >= 1, got {max_queued_bytes}")
+            raise ConfigError(f"max_queued_bytes must be >= 1, got {max_queued_bytes}")
         self.transport = transport
         self.encoder = encoder
         self.check = check
@@ -168,12 +169,6 @@ class CommThread(threading.Thread):
             log.exception("comm thread failed")
 
     def _pump(self) -> None:
-        # The heartbeat goes first: its step time bounds the deltas' step counts
-        # at the syncer, which must not meet deltas of a pace it has not heard.
-        with self._lock:
-            hb, self._heartbeat = self._heartbeat, None
-        if hb is not None:
-            self.transport.send_heartbeat(hb)
         while True:
             self._encoding = 1  # set before taking, so pending never reads 0 in between
             try:
@@ -190,6 +185,10 @@ class CommThread(threading.Thread):
             sent = self._backlog.popleft()
             with self._lock:
                 self._queued_bytes -= 4 * sent.numel
+        with self._lock:
+            hb, self._heartbeat = self._heartbeat, None
+        if hb is not None:
+            self.transport.send_heartbeat(hb)
         arrived = self.transport.poll(0.01)
         self._force_next |= self.transport.refused_fragments()
         # Whole weights in this batch (a snapshot) supersede every change up to

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.checks import check_id, check_int, check_positive, require
+from broker.errors import ConfigError
 from broker.run.settings import RunSettings
 from broker.wire.codecs import Codec
 from learner.model import ModelConfig
@@ -137,7 +138,7 @@ class LearnerSettings:
                     break
             else:
                 known = sorted(f.name for tp in types_.values() for f in dataclasses.fields(tp))
-                raise TypeError(f"unknown setting {name!r}; known: {', '.join(known)}")
+                raise ConfigError(f"unknown setting {name!r}; known: {', '.join(known)}")
         return cls(**{group: tp(**by_group[group]) for group, tp in types_.items()})
 
 

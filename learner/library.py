@@ -121,7 +121,7 @@ class DecoupledDiLoCo:
         if settings is None:
             settings = LearnerSettings.from_keywords(url=url or RunSettings.url, **keywords)
         elif url is not None or keywords:
-            raise TypeError("give settings= or the url and keyword settings, not both")
+            raise ConfigError("give settings= or the url and keyword settings, not both")
         self.run, self.sync_cfg, self.process = settings.run, settings.sync, settings.process
         self.model = model
         self.learner_id = learner_id
@@ -296,7 +296,7 @@ class DecoupledDiLoCo:
             if self.comm.error is not None:
                 if isinstance(self.comm.error, DdilocoError):
                     raise self.comm.error  # the transport's own words (a TransportError, say)
-                raise RuntimeError("comm thread failed") from self.comm.error  # a bug
+                raise DdilocoError("the communication thread failed") from self.comm.error
             self.comm.heartbeat(
                 Heartbeat(
                     run_id=self.run.run_id,

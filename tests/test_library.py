@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from broker.errors import ConfigError
 from broker.fragments import FragmentPlan, synced_parameters
 from broker.identity.keys import RunKeys
 from broker.redis.access import SYNCER_USER
@@ -287,7 +288,7 @@ def test_a_model_of_another_plan_is_refused_with_a_clear_message(tmp_path: Path)
 
 
 def test_unknown_settings_are_named() -> None:
-    with pytest.raises(TypeError, match="unknown setting 'fragmnets'"):
+    with pytest.raises(ConfigError, match="unknown setting 'fragmnets'"):
         DecoupledDiLoCo(make_model(), "none", fragmnets=2)
     sync = DecoupledDiLoCo(make_model(), "none", delta_codec="int4", **SETTINGS)
     assert sync.run.delta_codec == Codec("int4")

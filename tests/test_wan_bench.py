@@ -13,6 +13,7 @@ import pytest
 from benchmarks.compute_floor import measure
 from benchmarks.quality import TINY
 from benchmarks.wan import first_reach, step_time, summarise
+from broker.errors import MeasurementError
 
 
 def test_first_reach_interpolates_between_points() -> None:
@@ -109,5 +110,5 @@ def test_compute_floor_times_real_bare_loops_alone_and_together() -> None:
 
 
 def test_compute_floor_names_a_bad_setting() -> None:
-    with pytest.raises(RuntimeError, match="exited with"):
+    with pytest.raises(MeasurementError, match="exited with"):
         measure(learners=1, steps=1, extra=["--model-d-model", "0"])

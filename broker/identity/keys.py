@@ -234,7 +234,7 @@ class RunKeys:
         """The keys ``role`` needs from ``folder``; :class:`ConfigError` names what is missing."""
         where = Path(folder).expanduser()
         if role not in NEEDED:
-            raise ValueError(f"role {role!r}: one of {sorted(NEEDED)}")
+            raise ConfigError(f"role {role!r}: one of {sorted(NEEDED)}")
         if not where.is_dir():
             raise ConfigError(
                 f"no run key folder at {where}: make one with `ddiloco keys --keys {where}`, "

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from broker.errors import ConfigError
 from broker.identity.keys import RunKeys, proof_ok
 from broker.transport import MAX_LEARNER_SLOTS, TransportStats, lease_request_ok, slot_of
 
@@ -205,7 +206,7 @@ class SlotLeases:
 
     def __init__(self, stats: TransportStats, max_slots: int = MAX_LEARNER_SLOTS) -> None:
         if max_slots < 1:
-            raise ValueError(f"max_slots={max_slots}: at least 1")
+            raise ConfigError(f"max_slots={max_slots}: at least 1")
         self._stats = stats
         self._max_slots = min(max_slots, MAX_LEARNER_SLOTS)
         self._leases: dict[int, tuple[str, str, float]] = {}  # slot -> (holder, key, expiry)

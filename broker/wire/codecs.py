@@ -180,7 +180,7 @@ class Codec:
         if out is not None and (
             out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous()
         ):
-            raise ValueError(f"out must be a contiguous fp32 tensor of {numel} values")
+            raise CodecError(f"out must be a contiguous fp32 tensor of {numel} values")
         return self.dequantised(self.quantised(data, numel), numel, out)
 
     def dequantised(self, raw: Buffer, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,7 +22,8 @@ from typing import Any, ClassVar
 import msgpack
 import torch
 
-from broker.errors import WireError as WireError  # re-exported: defined in broker.errors
+from broker.errors import ConfigError  # re-exported: defined in broker.errors
+from broker.errors import WireError as WireError
 from broker.wire.codecs import Buffer, Codec, CodecError
 
 try:
@@ -168,7 +169,7 @@ def weights_checksum(weights: Any) -> int:
     """CRC-32 of a flat fp32 tensor's bytes (what ``GlobalFragment.weights_crc`` holds)."""
     flat = weights.detach().reshape(-1).contiguous()
     if flat.dtype != torch.float32:
-        raise ValueError(f"weights_checksum takes fp32 weights, not {flat.dtype}")
+        raise ConfigError(f"weights_checksum takes fp32 weights, not {flat.dtype}")
     return int(crc32(flat.numpy().data.cast("B")))
 
 
