@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from broker.errors import DdilocoError
 from broker.wire.messages import Delta
 from syncer.aggregation import (
     SAFE_MAGNITUDE,
@@ -55,7 +56,7 @@ class Contribution:
     def tensor(self) -> torch.Tensor:
         """The delta as a tensor: each is one, unless the compiled close merges it."""
         if isinstance(self.delta, PackedDelta):
-            raise TypeError("a packed delta is only merged by the compiled close")
+            raise DdilocoError("a packed delta is only merged by the compiled close")
         return self.delta
 
     @property

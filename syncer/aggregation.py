@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from broker.errors import TrustError
+from broker.errors import ConfigError, TrustError
 
 # Below this magnitude the sum of two fp32 values cannot overflow.
 SAFE_MAGNITUDE = torch.finfo(torch.float32).max / 2
@@ -55,15 +55,6 @@ def l2_norm(x: torch.Tensor) -> float:
     return norm
 
 
-def outer_gradient(
-    delta: torch.Tensor, base_weights: torch.Tensor, current_weights: torch.Tensor
-) -> torch.Tensor:
-    """g_m = Theta(current) - (Theta(base) - delta), as the syncer computes it:
-    ``shift + delta`` with ``shift = Theta(current) - Theta(base)``, which all
-    deltas on one base share (and which is zero for a fresh learner)."""
-    return (current_weights - base_weights) + delta
-
-
 def token_step_weight(c_tokens: int, c_steps: int) -> float:
     """w = c_tokens * (c_tokens / c_steps): more tokens, and bigger batches, count more."""
     if c_tokens <= 0 or c_steps <= 0:
@@ -73,10 +64,10 @@ def token_step_weight(c_tokens: int, c_steps: int) -> float:
 
 def _normalised(weights: Sequence[float], n: int) -> torch.Tensor:
     if len(weights) != n or n == 0:
-        raise ValueError(f"need one weight per gradient, got {len(weights)} for {n}")
+        raise ConfigError(f"need one weight per gradient, got {len(weights)} for {n}")
     w = torch.tensor(weights, dtype=torch.float64)
     if not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"weights must be finite, non-negative, not all zero: {weights}")
+        raise ConfigError(f"weights must be finite, non-negative, not all zero: {weights}")
     return w / w.sum()
 
 
@@ -167,7 +158,7 @@ def radial_directional_mean(
 # can send anything at all without dragging any coordinate past the honest ones.
 def _sorted_stack(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     if not grads:
-        raise ValueError("need at least one gradient")
+        raise ConfigError("need at least one gradient")
     return torch.stack([g.to(torch.float32) for g in grads]).sort(dim=0).values
 
 
@@ -188,7 +179,7 @@ def trimmed_mean(grads: Sequence[torch.Tensor], trim: int) -> torch.Tensor:
     the coordinate-wise median, the limit of trimming.
     """
     if trim < 0:
-        raise ValueError(f"trim must be >= 0, got {trim}")
+        raise ConfigError(f"trim must be >= 0, got {trim}")
     n = len(grads)
     if n <= 2 * trim:
         return coordinate_median(grads)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from broker.errors import ConfigError
 from broker.wire.codecs import Codec
 from broker.wire.messages import Delta
 from syncer import kernels
@@ -126,7 +127,7 @@ class DeltaBuffers:
     ) -> None:
         self.numel = numel
         if rows is not None and rows.numel < numel:
-            raise ValueError(f"rows of {rows.numel} values for a fragment of {numel}")
+            raise ConfigError(f"rows of {rows.numel} values for a fragment of {numel}")
         self.rows = (rows or PackedRows(numel, codec)) if packed else None
         self._free: list[torch.Tensor] = []
         self._pooled: dict[int, weakref.ref[torch.Tensor]] = {}

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from broker.errors import ConfigError, TrustError
+from broker.errors import ConfigError, DdilocoError, TrustError
 from broker.run.settings import RunSettings
 from broker.wire.codecs import Codec, apply_change
 from broker.wire.messages import Delta
@@ -250,7 +250,7 @@ class FragmentState:
         """
         terms, refs = self.admission.take_round()
         if not terms:
-            raise RuntimeError("no deltas to merge")  # the service closes open rounds only
+            raise DdilocoError("no deltas to merge")  # the service closes open rounds only
         verdict = self.admission.judge(terms, self.buffers.release)
         refused = [c.full_key for t in verdict.refused for c in t.parts]
         try:

@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from broker.errors import ConfigError
 from broker.wire.codecs import Codec
 from broker.wire.messages import weights_checksum
 from syncer import kernels
@@ -161,7 +162,7 @@ class TorchMerge:
             return trimmed_mean(grads, self.outer.trim_per_side)
         if aggregation == "coordinate_median":
             return coordinate_median(grads)
-        raise ValueError(f"unknown aggregation {aggregation!r}")  # OuterConfig checks it
+        raise ConfigError(f"unknown aggregation {aggregation!r}")  # OuterConfig checks it
 
     def accepted(self, old: OuterState, new: Stepped) -> None:
         if new.momentum is not old.momentum:

@@ -19,6 +19,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from broker.errors import ConfigError, DdilocoError
 from broker.wire.codecs import Codec, apply_change
 from broker.wire.messages import weights_checksum
 from syncer.aggregation import StaleDelta, max_abs
@@ -98,7 +99,7 @@ class Versions:
         self, depth: int, first: torch.Tensor, publication: Publication, version: int, wall_s: float
     ) -> None:
         if depth < 1:
-            raise ValueError(f"staleness depth must be >= 1, got {depth}")
+            raise ConfigError(f"staleness depth must be >= 1, got {depth}")
         self.depth = depth
         self.version = version
         self.current = first  # the current published global (what learners hold)
@@ -140,7 +141,7 @@ class Versions:
         not kept). ValueError where an older version is kept as weights."""
         self.check(version)
         if version in self._weights:
-            raise ValueError(f"version {version} is kept as weights, not as changes")
+            raise DdilocoError(f"version {version} is kept as weights, not as changes")
         return [(v + 1, change) for v, change in self._changes.items() if v >= version]
 
     @property

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from syncer.aggregation import (
-    outer_gradient,
     radial_directional_mean,
     rebased_weighted_mean,
     token_step_weight,
@@ -24,39 +23,6 @@ def t(*xs: float) -> torch.Tensor:
 
 
 # -- rebasing ------------------------------------------------------------------
-def test_outer_gradient_by_hand() -> None:
-    g = outer_gradient(
-        delta=t(0.5, -0.5, 0.0), base_weights=t(1, 2, 3), current_weights=t(1.5, 1.0, 3.25)
-    )
-    # current - base + delta = (0.5 + 0.5, -1 - 0.5, 0.25 + 0)
-    assert g.tolist() == [1.0, -1.5, 0.25]
-
-
-def test_stale_learner_contributes_as_if_it_sent_weights() -> None:
-    theta_base = t(1.0, 2.0, 3.0)  # version 4, the learner's base
-    theta_m = t(0.5, 2.5, 3.0)  # the learner's weights after its inner steps
-    delta = theta_base - theta_m  # what it sends: (0.5, -0.5, 0)
-    theta_current = t(1.5, 1.0, 3.25)  # the global moved on to version 5
-    # Had it sent its weights, the outer gradient would be current - theta_m.
-    expected = [1.5 - 0.5, 1.0 - 2.5, 3.25 - 3.0]
-    assert outer_gradient(delta, theta_base, theta_current).tolist() == expected
-    # A fresh learner (base == current) gets its delta back unchanged.
-    assert outer_gradient(delta, theta_current, theta_current).tolist() == delta.tolist()
-
-
-def test_outer_gradient_random_matches_numpy() -> None:
-    rng = np.random.default_rng(0)
-    d, b, c = (rng.standard_normal(1000).astype(np.float32) for _ in range(3))
-    g = outer_gradient(torch.from_numpy(d), torch.from_numpy(b), torch.from_numpy(c))
-    np.testing.assert_allclose(g.numpy(), c.astype(np.float64) - b + d, rtol=0, atol=1e-5)
-
-
-def test_outer_gradient_does_not_mutate() -> None:
-    d, b, c = t(1, 2), t(3, 4), t(5, 6)
-    outer_gradient(d, b, c)
-    assert d.tolist() == [1, 2] and b.tolist() == [3, 4] and c.tolist() == [5, 6]
-
-
 # -- weights -------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("c_tokens", "c_steps", "w"),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from broker.errors import ConfigError
+from broker.errors import ConfigError, DdilocoError
 from broker.run.settings import RunSettings
 from broker.wire.codecs import Codec, apply_change
 from broker.wire.messages import Delta, weights_checksum
@@ -414,7 +414,7 @@ def test_replay_of_an_applied_delta_is_a_duplicate() -> None:
     assert offer(state, delta("a", 1, 0), d, "replay") == DUPLICATE  # same key
     assert offer(state, delta("a", 0, 0), d, "older") == DUPLICATE  # older key
     assert state.pending_learners == []
-    with pytest.raises(RuntimeError):
+    with pytest.raises(DdilocoError):
         state.close(T1)  # nothing was taken in
     assert torch.equal(state.weights, before) and state.version == 1
 
@@ -491,7 +491,7 @@ def test_bad_deltas_are_refused_with_their_reason(
 
 def test_close_with_nothing_pending_raises() -> None:
     state = FragmentState(0, f32(W0), *params(), published_s=T0)
-    with pytest.raises(RuntimeError, match="no deltas"):
+    with pytest.raises(DdilocoError, match="no deltas"):
         state.close(T1)
 
 
