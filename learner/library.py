@@ -35,9 +35,7 @@ Decisions, each tested (``tests/test_library.py``):
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
-import pickle
 import signal
 import subprocess
 import sys
@@ -54,7 +52,6 @@ import torch
 from broker.cli_config import dataclass_to_args
 from broker.connect import connect_learner
 from broker.errors import ConfigError, DdilocoError
-from broker.files import atomic_write
 from broker.fragments import FragmentPlan, synced_parameters
 from broker.identity.keys import JOIN_SECRET, Identity, identity_path
 from broker.run.initial_model import write_initial_model
@@ -63,11 +60,12 @@ from broker.run.settings import NO_BROKER, RunSettings
 from broker.transport import LearnerTransport, TransportStats
 from broker.wire.messages import Delta, Heartbeat
 from learner.comm import CommThread, Decoded, DeltaEncoder, OutgoingDelta
-from learner.config import LearnerSettings
+from learner.config import LearnerSettings, SyncConfig
 from learner.fragment_sync import FragmentSync, Stamp
 from learner.group import TorchrunGroup
 from learner.join import GlobalDecoder, join_snapshot
-from learner.telemetry import LearnerMetrics, ProgressFile
+from learner.saved_state import SavedState
+from learner.telemetry import LearnerMetrics, StepClock
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +77,39 @@ MIN_QUEUED_BYTES = 64 * 2**20
 _FIRST_ARRIVALS_TIMEOUT_S = 5.0
 
 
-@contextmanager
-def _saved_state(path: Path) -> Iterator[None]:
-    """Restoring what an earlier incarnation saved at ``path``: a file of another
-    model or optimizer (or a torn one) is a state folder to change, not a bug."""
-    try:
-        yield
-    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
-        raise ConfigError(
-            f"{path} is not this learner's saved state ({e}): give another state_dir "
-            "or delete that file"
-        ) from e
+def _connect(
+    run: RunSettings, plan: FragmentPlan, learner_id: str, incarnation: int, identity: Identity
+) -> LearnerTransport:
+    return connect_learner(
+        run.url,
+        run_id=run.run_id,
+        learner_id=learner_id,
+        incarnation=incarnation,
+        num_fragments=run.fragments,
+        syncer_shards=run.syncer_shards,
+        max_message_bytes=plan.max_message_bytes,
+        keys=run.run_keys("learner"),
+        identity=identity,
+    )
+
+
+def _comm_thread(
+    transport: LearnerTransport,
+    decoder: GlobalDecoder,
+    run: RunSettings,
+    sync: SyncConfig,
+    plan: FragmentPlan,
+) -> CommThread:
+    """The thread that encodes, sends and receives, started; it may queue
+    ``max_queued_models`` models' worth of raw deltas (at least MIN_QUEUED_BYTES)."""
+    comm = CommThread(
+        transport,
+        DeltaEncoder(run.delta_codec, sync.error_feedback),
+        check=decoder.decode,
+        max_queued_bytes=max(MIN_QUEUED_BYTES, int(sync.max_queued_models * 4 * plan.total_numel)),
+    )
+    comm.start()
+    return comm
 
 
 class DecoupledDiLoCo:
@@ -139,11 +159,13 @@ class DecoupledDiLoCo:
             self.sync_cfg.keep_unsent,
         )
         # Every rank of a group resumes from what rank 0 saved; rank 0 alone writes.
-        self.progress = ProgressFile(state_dir, learner_id)
+        self.saved = SavedState(
+            state_dir, learner_id, model, optimizer, keeps_weights=self.run.url == NO_BROKER
+        )
         # Who this learner is to the syncers (docs/security.md): kept in its
         # home (broker.identity.keys.identity_path), made by the rank that connects.
         self.identity = identity
-        self.start_step, self.tokens, last_incarnation = self.progress.load()
+        self.start_step, self.tokens, last_incarnation = self.saved.load()
         # Strictly newer than any earlier incarnation even if the clock stepped
         # back: the syncer would take a lower one for a replay.
         self.incarnation = max(time.time_ns(), last_incarnation + 1)
@@ -155,10 +177,7 @@ class DecoupledDiLoCo:
         self.syncing = self.run.url != NO_BROKER
         self.transport = transport
         self.comm: CommThread | None = None
-        self._last_step_end: float | None = None
-        self.last_step_s = 0.0
-        self.phase_time = {True: 0.0, False: 0.0}  # seconds in steps with sync on / off
-        self.phase_steps = {True: 0, False: 0}
+        self.clock = StepClock()
         self.delivered = True
         self._closed = False
         # Fragments found non-finite and put back on a good global (see _non_finite).
@@ -189,20 +208,11 @@ class DecoupledDiLoCo:
         """Connect, load the current global model (unless told not to), start the
         comm thread. Called by ``with``."""
         if self.group.leader and self.syncing and self.transport is None:
-            if self.identity is None:
-                path = identity_path(self.run.run_id, self.learner_id)
-                self.identity = Identity.kept_in(path)
-            self.transport = connect_learner(
-                self.run.url,
-                run_id=self.run.run_id,
-                learner_id=self.learner_id,
-                incarnation=self.incarnation,
-                num_fragments=self.run.fragments,
-                syncer_shards=self.run.syncer_shards,
-                max_message_bytes=self.plan.max_message_bytes,
-                keys=self.run.run_keys("learner"),
-                identity=self.identity,
+            self.identity = self.identity or Identity.kept_in(
+                identity_path(self.run.run_id, self.learner_id)
             )
+            self.transport = _connect(self.run, self.plan, self.learner_id, self.incarnation,
+                                      self.identity)  # fmt: skip
         arrived: list[tuple[int, Stamp, torch.Tensor]] = []
         decoder = GlobalDecoder(self.plan, self.transport)
         if self.transport is not None:
@@ -217,20 +227,9 @@ class DecoupledDiLoCo:
                 # The weights as given stand in for this version: deltas measure
                 # this learner's progress from them.
                 self.fragments.apply(p, stamp, self.plan.flatten(self.params, p), self.params)
-        self._load_weights()
-        self._load_optimizer_state()
+        self.saved.restore()
         if self.transport is not None:
-            encoder = DeltaEncoder(self.run.delta_codec, self.sync_cfg.error_feedback)
-            self.comm = CommThread(
-                self.transport,
-                encoder,
-                check=decoder.decode,
-                max_queued_bytes=max(
-                    MIN_QUEUED_BYTES,
-                    int(self.sync_cfg.max_queued_models * 4 * self.plan.total_numel),
-                ),
-            )
-            self.comm.start()
+            self.comm = _comm_thread(self.transport, decoder, self.run, self.sync_cfg, self.plan)
         self.save_progress()
         log.info(
             "learner %s joined at step %d (plan %s)",
@@ -269,8 +268,7 @@ class DecoupledDiLoCo:
         """Call once after each optimizer step. ``weight``: what this step trained
         on in this process (tokens, or samples); under torchrun each rank passes
         its own and the group's is taken as world size times rank 0's."""
-        now = time.perf_counter()
-        step_s = now - self._last_step_end if self._last_step_end is not None else 0.0
+        self.clock.begin()
         self.step_count += 1
         step = self.step_count
         group_weight = int(weight) * self.group.world
@@ -286,12 +284,7 @@ class DecoupledDiLoCo:
                 self._send(p, step)
                 if self.sync_cfg.blocking and self.comm is not None:
                     self._wait_for_new_global(p)
-        self._last_step_end = time.perf_counter()
-        # The step's time: training since the last call plus this call's own work.
-        self.last_step_s = step_s + (self._last_step_end - now)
-        if step_s:
-            self.phase_time[sync_on] += self.last_step_s
-            self.phase_steps[sync_on] += 1
+        self.clock.end(sync_on)
         if self.comm is not None:
             if self.comm.error is not None:
                 if isinstance(self.comm.error, DdilocoError):
@@ -304,7 +297,7 @@ class DecoupledDiLoCo:
                     incarnation=self.incarnation,
                     step=step,
                     tokens=self.tokens,
-                    step_time_s=self.last_step_s,
+                    step_time_s=self.clock.last_step_s,
                     sent_at=time.time(),
                 )
             )
@@ -397,64 +390,16 @@ class DecoupledDiLoCo:
             time.sleep(0.002)
         log.warning("fragment %d: no new global within %.0fs; continuing", p, timeout_s)
 
-    # -- progress that survives a restart --------------------------------------------
-    def _optimizer_path(self) -> Path | None:
-        if self.optimizer is None or self.progress.path is None:
-            return None
-        return self.progress.path.with_suffix(".optimizer.pt")
-
-    def _weights_path(self) -> Path | None:
-        """Without a syncer the learner's own weights are the model: they are kept with
-        its progress (an elastic data-parallel group's checkpoint). With one, a
-        restarted learner takes the global model instead."""
-        if self.syncing or self.progress.path is None:
-            return None
-        return self.progress.path.with_suffix(".model.pt")
-
     def save_progress(self) -> None:
-        """Write step, tokens and incarnation (and the optimizer's state, if given;
-        the weights, without a syncer). Rank 0 writes for its group. Weights and
-        optimizer go first: a kill between the writes leaves them at most one save
-        ahead of the step they resume from, never behind."""
-        if not self.group.leader:
-            return
-        for path, state in (
-            (self._weights_path(), self.model),
-            (self._optimizer_path(), self.optimizer),
-        ):
-            if path is not None and state is not None:
-                buffer = io.BytesIO()
-                torch.save(state.state_dict(), buffer)
-                atomic_write(path, buffer.getvalue())
-        self.progress.save(self.step_count, self.tokens, self.incarnation)
-
-    def _load_weights(self) -> None:
-        path = self._weights_path()
-        if path is None or not path.exists():
-            return
-        with _saved_state(path):
-            # weights_only: tensors and plain values, never code.
-            self.model.load_state_dict(torch.load(io.BytesIO(path.read_bytes()), weights_only=True))
-        log.info("learner %s: restored its weights (step %d)", self.learner_id, self.start_step)
-
-    def _load_optimizer_state(self) -> None:
-        path = self._optimizer_path()
-        if path is None or not path.exists() or self.optimizer is None:
-            return
-        with _saved_state(path):
-            # weights_only: tensors and plain values, never code.
-            state = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
-            self.optimizer.load_state_dict(state)
-        log.info("learner %s: restored the inner optimizer's state", self.learner_id)
+        """Write what a restart resumes from (:class:`~learner.saved_state.SavedState`);
+        rank 0 writes for its group."""
+        if self.group.leader:
+            self.saved.save(self.step_count, self.tokens, self.incarnation)
 
     # -- what happened -----------------------------------------------------------------
     @property
     def stats(self) -> TransportStats:
         return self.transport.stats if self.transport is not None else TransportStats()
-
-    def steps_per_s(self, sync_on: bool) -> float | None:
-        seconds = self.phase_time[sync_on]
-        return self.phase_steps[sync_on] / seconds if seconds > 0 else None
 
     @property
     def dropped(self) -> int:

@@ -4,6 +4,7 @@ that lets a restarted learner resume its schedule (events: :class:`broker.files.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -51,3 +52,31 @@ class ProgressFile:
         if self.path is not None:
             progress = {"step": step, "tokens": tokens, "incarnation": incarnation}
             atomic_write(self.path, json.dumps(progress).encode())
+
+
+class StepClock:
+    """Each step's time (training since the last call plus the call's own work),
+    and steps per second with syncing on and with it off."""
+
+    def __init__(self) -> None:
+        self.last_step_s = 0.0
+        self._last_end: float | None = None
+        self._began = 0.0
+        self._seconds = {True: 0.0, False: 0.0}
+        self._steps = {True: 0, False: 0}
+
+    def begin(self) -> None:
+        self._began = time.perf_counter()
+
+    def end(self, sync_on: bool) -> None:
+        now = time.perf_counter()
+        since_last = self._began - self._last_end if self._last_end is not None else 0.0
+        self.last_step_s = since_last + (now - self._began)
+        if self._last_end is not None:  # the first step has no time of its own
+            self._seconds[sync_on] += self.last_step_s
+            self._steps[sync_on] += 1
+        self._last_end = now
+
+    def steps_per_s(self, sync_on: bool) -> float | None:
+        seconds = self._seconds[sync_on]
+        return self._steps[sync_on] / seconds if seconds > 0 else None

@@ -197,7 +197,7 @@ class Learner:
                         steps_per_s=rate,
                         lr=lr_at(step - 1, cfg.train, steps),
                         compute_s=compute_s,
-                        step_s=sync.last_step_s,
+                        step_s=sync.clock.last_step_s,
                         bytes_sent=sync.stats.bytes_sent,
                         bytes_received=sync.stats.bytes_received,
                         versions=sync.fragments.versions(),
@@ -229,8 +229,8 @@ class Learner:
             "globals_rejected": dict(sync.globals_rejected),
             "deltas_refused": dict(sync.stats.refused),  # by the syncer, by reason
             "broker_out_of_memory": sync.stats.out_of_memory,  # refusals waited out
-            "steps_per_s_sync_on": sync.steps_per_s(True),
-            "steps_per_s_sync_off": sync.steps_per_s(False),
+            "steps_per_s_sync_on": sync.clock.steps_per_s(True),
+            "steps_per_s_sync_off": sync.clock.steps_per_s(False),
         }
         self.events.write("done", **result)
         self.group.close()
