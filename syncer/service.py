@@ -30,8 +30,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import msgpack
-
 from broker.connect import connect_syncer, lease_shard
 from broker.errors import ConfigError, Fenced, TransportError
 from broker.fragments import owned_fragments
@@ -41,10 +39,8 @@ from broker.transport import Inbound, SyncerTransport
 from syncer.buffers import PackedRows
 from syncer.checkpoint import (
     load_fragment,
-    load_manifest,
     read_changes,
     save_fragment,
-    save_manifest,
 )
 from syncer.closer import RoundCloser
 from syncer.config import AUTO_SHARD, SyncerConfig
@@ -53,6 +49,7 @@ from syncer.intake import Intake
 from syncer.membership import Membership
 from syncer.metrics import SyncerMetrics
 from syncer.quorum import Roster
+from syncer.recovery import check_manifest, rebuild_from_broker
 
 if TYPE_CHECKING:
     from broker.redis.shards import ShardLease
@@ -184,7 +181,7 @@ class Syncer:
         self.owned = owned_fragments(self.shard, run.syncer_shards, run.fragments)
         self.checkpoint_dir = _shard_folder(Path(cfg.checkpoint_dir), self.shard, run.syncer_shards)
         self._lock = held or _lock_folder(self.checkpoint_dir)
-        self._check_manifest()
+        check_manifest(self.checkpoint_dir, self.plan, cfg.run)
         self.states: dict[int, FragmentState] = {}
         resumed, fresh = [], []
         started_s = self.wall_clock()
@@ -230,7 +227,13 @@ class Syncer:
             fence=self.fence,
             identity_hold_s=run.gone_after_s,
         )
-        rebuilt = [] if cfg.new_epoch else self._rebuild_from_broker(fresh)
+        rebuilt = (
+            []
+            if cfg.new_epoch
+            else rebuild_from_broker(
+                self.transport, self.states, self.owned, fresh, self.checkpoint_dir
+            )
+        )
         if unrebuilt := [p for p in fresh if p not in rebuilt and not cfg.new_epoch]:
             self._refuse_to_forget(unrebuilt)
         # Version 0 is durable before it is published, like every later one: a
@@ -265,70 +268,6 @@ class Syncer:
         self.drain_requested = threading.Event()
         for p in self.owned:  # joiners and restarted learners need a snapshot at once
             self.closer.publish(p)
-
-    def _check_manifest(self) -> None:
-        manifest = load_manifest(self.checkpoint_dir)
-        if manifest is not None and manifest.get("plan_hash") != self.plan.plan_hash:
-            raise ConfigError(
-                f"{self.checkpoint_dir} holds a checkpoint of another model (plan "
-                f"{manifest.get('plan_hash')} != {self.plan.plan_hash}); point "
-                "checkpoint_dir elsewhere or delete it"
-            )
-        shards = manifest.get("syncer_shards", 1) if manifest is not None else None
-        if shards is not None and shards != self.cfg.run.syncer_shards:
-            raise ConfigError(
-                f"{self.checkpoint_dir} holds the checkpoint of a run with syncer_shards="
-                f"{shards}, not {self.cfg.run.syncer_shards}: fragments cannot move between "
-                "shards in a run; start it with the same syncer_shards"
-            )
-        save_manifest(
-            self.checkpoint_dir,
-            {
-                "run_id": self.cfg.run.run_id,
-                "plan_hash": self.plan.plan_hash,
-                "syncer_shards": self.cfg.run.syncer_shards,
-                "fragments": self.plan.num_fragments,
-                "sync_every": self.plan.sync_every,
-                "initial_model": self.cfg.run.initial_model,
-            },
-        )
-
-    def _rebuild_from_broker(self, fresh: list[int]) -> list[int]:
-        """Rebuild each owned fragment whose latest version the broker keeps
-        (Redis, with the state published beside it) and the checkpoint here
-        does not: none of it (``fresh``: the host and its disk were lost), or
-        an older one (this syncer served the shard before another took it
-        over, elsewhere). It goes on from that version, in its epoch, with the
-        de-duplication state that goes with it, so the run goes on where it
-        was and nothing is applied twice; not from the initial model. What
-        only the lost checkpoint held is gone: the momentum (it starts again
-        from zero), the master's lead over the published version and the
-        older kept versions (deltas based on them are refused as stale, and
-        their learners take the latest). Returns the fragments rebuilt."""
-        held = {p: s.weights for p, s in self.states.items() if p not in fresh}
-        rebuilt = []
-        for p, (latest, raw) in sorted(self.transport.resume_points(self.owned, held).items()):
-            state = self.states[p]
-            if p not in fresh and (latest.epoch, latest.version) <= (state.epoch, state.version):
-                continue  # the checkpoint here is as new (or a round ahead: not yet published)
-            meta = msgpack.unpackb(raw, raw=False)
-            if not isinstance(meta, dict) or (meta.get("epoch"), meta.get("version")) != (
-                latest.epoch,
-                latest.version,
-            ):
-                log.warning("fragment %d: the broker's state is not its latest version's", p)
-                continue
-            state.load({f"version.{latest.version}": latest.tensor()}, meta)
-            rebuilt.append(p)
-        if rebuilt:
-            log.warning(
-                "fragment(s) %s: %s holds no checkpoint of their latest versions; rebuilt from "
-                "the broker's latest globals (%s), in their epoch; their momentum starts again "
-                "from zero, and deltas on older versions are refused as stale",
-                rebuilt, self.checkpoint_dir,
-                ", ".join(f"{p}@v{self.states[p].version}" for p in rebuilt),
-            )  # fmt: skip
-        return rebuilt
 
     def _refuse_to_forget(self, fresh: list[int]) -> None:
         """A syncer without a checkpoint for fragments whose globals the broker

@@ -1,0 +1,93 @@
+"""A syncer's start on what it finds: its checkpoint folder checked against the
+run, and fragments rebuilt from the broker's latest globals where the folder
+lacks them (docs/design.md, takeover)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import msgpack
+
+from broker.errors import ConfigError
+from broker.fragments import FragmentPlan
+from broker.run.settings import RunSettings
+from broker.transport import SyncerTransport
+from syncer.checkpoint import load_manifest, save_manifest
+from syncer.fragment_state import FragmentState
+
+log = logging.getLogger(__name__)
+
+
+def check_manifest(checkpoint_dir: Path, plan: FragmentPlan, run: RunSettings) -> None:
+    """Refuse a checkpoint folder of another model or another shard count, then
+    record this run's in it."""
+    manifest = load_manifest(checkpoint_dir)
+    if manifest is not None and manifest.get("plan_hash") != plan.plan_hash:
+        raise ConfigError(
+            f"{checkpoint_dir} holds a checkpoint of another model (plan "
+            f"{manifest.get('plan_hash')} != {plan.plan_hash}); point "
+            "checkpoint_dir elsewhere or delete it"
+        )
+    shards = manifest.get("syncer_shards", 1) if manifest is not None else None
+    if shards is not None and shards != run.syncer_shards:
+        raise ConfigError(
+            f"{checkpoint_dir} holds the checkpoint of a run with syncer_shards="
+            f"{shards}, not {run.syncer_shards}: fragments cannot move between "
+            "shards in a run; start it with the same syncer_shards"
+        )
+    save_manifest(
+        checkpoint_dir,
+        {
+            "run_id": run.run_id,
+            "plan_hash": plan.plan_hash,
+            "syncer_shards": run.syncer_shards,
+            "fragments": plan.num_fragments,
+            "sync_every": plan.sync_every,
+            "initial_model": run.initial_model,
+        },
+    )
+
+
+def rebuild_from_broker(
+    transport: SyncerTransport,
+    states: dict[int, FragmentState],
+    owned: list[int],
+    fresh: list[int],
+    checkpoint_dir: Path,
+) -> list[int]:
+    """Rebuild each owned fragment whose latest version the broker keeps
+    (Redis, with the state published beside it) and the checkpoint here
+    does not: none of it (``fresh``: the host and its disk were lost), or
+    an older one (this syncer served the shard before another took it
+    over, elsewhere). It goes on from that version, in its epoch, with the
+    de-duplication state that goes with it, so the run goes on where it
+    was and nothing is applied twice; not from the initial model. What
+    only the lost checkpoint held is gone: the momentum (it starts again
+    from zero), the master's lead over the published version and the
+    older kept versions (deltas based on them are refused as stale, and
+    their learners take the latest). Returns the fragments rebuilt."""
+    held = {p: s.weights for p, s in states.items() if p not in fresh}
+    rebuilt = []
+    for p, (latest, raw) in sorted(transport.resume_points(owned, held).items()):
+        state = states[p]
+        if p not in fresh and (latest.epoch, latest.version) <= (state.epoch, state.version):
+            continue  # the checkpoint here is as new (or a round ahead: not yet published)
+        meta = msgpack.unpackb(raw, raw=False)
+        if not isinstance(meta, dict) or (meta.get("epoch"), meta.get("version")) != (
+            latest.epoch,
+            latest.version,
+        ):
+            log.warning("fragment %d: the broker's state is not its latest version's", p)
+            continue
+        state.load({f"version.{latest.version}": latest.tensor()}, meta)
+        rebuilt.append(p)
+    if rebuilt:
+        log.warning(
+            "fragment(s) %s: %s holds no checkpoint of their latest versions; rebuilt from "
+            "the broker's latest globals (%s), in their epoch; their momentum starts again "
+            "from zero, and deltas on older versions are refused as stale",
+            rebuilt, checkpoint_dir,
+            ", ".join(f"{p}@v{states[p].version}" for p in rebuilt),
+        )  # fmt: skip
+    return rebuilt
