@@ -20,8 +20,10 @@ from broker.redis.shards import Fence, ShardLease
 from broker.redis.syncer import RedisSyncerTransport
 from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, SyncerTransport
 from broker.url import BrokerUrl, parse_url, shown
+from broker.zmq.addressing import shard_endpoint
+from broker.zmq.learner import ZmqLearnerTransport
 from broker.zmq.options import ZmqOptions
-from broker.zmq.transport import ZmqLearnerTransport, ZmqSyncerTransport, shard_endpoint
+from broker.zmq.syncer import ZmqSyncerTransport
 
 _T = TypeVar("_T")
 
@@ -121,7 +123,7 @@ def connect_syncer(
     the run's (Redis: the keys a learner's ACL user may write name each);
     ``keys`` the run's keys as a syncer holds them; ``roster_cap`` the learner
     slots the syncer grants, at most (its roster cap). A ZeroMQ syncer binds
-    its ``shard``'s endpoint of the URL (:func:`~broker.zmq.transport.shard_endpoint`).
+    its ``shard``'s endpoint of the URL (:func:`~broker.zmq.addressing.shard_endpoint`).
     ``identity_hold_s``: how long a learner id stays bound to its key once the
     key is silent (the run's :attr:`~broker.run.settings.RunSettings.gone_after_s`)."""
     parsed = parse_url(url)

@@ -44,7 +44,8 @@ from broker.redis.common import (
 from broker.wire import messages as wire
 from broker.wire.codecs import Codec
 from broker.wire.messages import Delta, Enroll, Heartbeat, LeaseRequest, SnapshotRequest
-from broker.zmq.transport import GLOBALS_TOPIC, pub_endpoint
+from broker.zmq.addressing import pub_endpoint
+from broker.zmq.frames import GLOBALS_TOPIC
 
 
 @dataclass

@@ -22,8 +22,10 @@ from broker.redis.server import RedisServer
 from broker.redis.syncer import RedisSyncerTransport
 from broker.transport import Backpressure, Inbound, LearnerTransport, SyncerTransport
 from broker.wire.messages import Delta
+from broker.zmq.addressing import shard_endpoint
+from broker.zmq.learner import ZmqLearnerTransport
 from broker.zmq.options import ZmqOptions
-from broker.zmq.transport import ZmqLearnerTransport, ZmqSyncerTransport, shard_endpoint
+from broker.zmq.syncer import ZmqSyncerTransport
 from compose.processes import free_port_pair
 from tests.servers import wait_until
 

@@ -40,8 +40,10 @@ from broker.wire.messages import (
     LeaseRequest,
     SnapshotRequest,
 )
+from broker.zmq.addressing import pub_endpoint
+from broker.zmq.learner import ZmqLearnerTransport
 from broker.zmq.options import ZmqOptions
-from broker.zmq.transport import ZmqLearnerTransport, ZmqSyncerTransport, pub_endpoint
+from broker.zmq.syncer import ZmqSyncerTransport
 from compose import cli
 from tests.servers import wait_until
 from tests.test_zmq_transport import RUN, delta, endpoint, global_fragment

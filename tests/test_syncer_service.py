@@ -25,8 +25,8 @@ from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import Inbound
 from broker.wire.codecs import Codec, apply_change
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat
+from broker.zmq.learner import ZmqLearnerTransport
 from broker.zmq.options import ZmqOptions
-from broker.zmq.transport import ZmqLearnerTransport
 from compose.processes import free_port_pair
 from learner.config import WorkloadConfig
 from learner.model import ModelConfig

@@ -23,8 +23,9 @@ from broker.transport import Backpressure
 from broker.wire import messages as wire
 from broker.wire.codecs import Codec
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat
+from broker.zmq.learner import ZmqLearnerTransport
 from broker.zmq.options import ZmqOptions
-from broker.zmq.transport import ZmqLearnerTransport, ZmqSyncerTransport
+from broker.zmq.syncer import ZmqSyncerTransport
 from tests.servers import take_globals, wait_until
 
 pytestmark = pytest.mark.integration

@@ -54,7 +54,7 @@ def make_transport(args: argparse.Namespace) -> SyncerTransport:
             options=RedisOptions(claim_idle_s=args.claim_idle_s),
             identity_hold_s=15.0,
         )
-    from broker.zmq.transport import ZmqSyncerTransport
+    from broker.zmq.syncer import ZmqSyncerTransport
 
     return ZmqSyncerTransport(args.url, args.run, fragments=fragments, identity_hold_s=15.0)
 

@@ -42,7 +42,7 @@ class RunSettings:
     run_id: str = "default"  # names the run's keys and messages; runs on one broker differ
     # Where the broker is. ZeroMQ: the syncers, one endpoint per shard
     # (zmq://host:port[,host:port...], in shard order), or one endpoint for all:
-    # shard s at port + 2s on each address of the host (broker.zmq.transport).
+    # shard s at port + 2s on each address of the host (broker.zmq.addressing).
     # Redis: redis://, rediss:// or unix://. Backend options travel as query
     # parameters (zmq://h:5555?ack_timeout_s=2).
     url: str = "zmq://127.0.0.1:5555"  # the broker: zmq://HOST:PORT or redis://HOST:PORT/DB
