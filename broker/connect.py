@@ -13,8 +13,8 @@ import zmq
 from broker.errors import TransportError
 from broker.identity.keys import Identity, RunKeys
 from broker.redis.access import SYNCER_USER, lock_down_if_open
-from broker.redis.common import connect
 from broker.redis.learner import RedisLearnerTransport
+from broker.redis.link import connect
 from broker.redis.options import RedisOptions
 from broker.redis.shards import Fence, ShardLease
 from broker.redis.syncer import RedisSyncerTransport

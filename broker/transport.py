@@ -1,7 +1,7 @@
 """The one transport interface that learner and syncer code talk to.
 
 Two backends implement it: :mod:`broker.zmq`, and Redis Streams
-(:mod:`broker.redis.learner`, :mod:`broker.redis.syncer`, :mod:`broker.redis.common`).
+(:mod:`broker.redis`: :mod:`broker.redis.learner`, :mod:`broker.redis.syncer`).
 :func:`broker.connect.connect_learner` and :func:`broker.connect.connect_syncer`
 build one from a URL, and nothing else in the code base asks which one it got.
 

@@ -31,8 +31,8 @@ from broker.redis.access import (
     member_user,
     password_digest,
 )
-from broker.redis.common import (
-    FIELD,
+from broker.redis.frames import FIELD
+from broker.redis.names import (
     delta_stream_key,
     globals_stream_key,
     heartbeat_key,

@@ -15,8 +15,8 @@ import zmq
 from redis.connection import parse_url as redis_py_parse_url
 
 from broker.connect import BrokerUrl, connect_learner, connect_syncer, parse_url
-from broker.redis.common import GROUP, delta_stream_key
 from broker.redis.learner import RedisLearnerTransport
+from broker.redis.names import GROUP, delta_stream_key
 from broker.redis.options import RedisOptions
 from broker.redis.server import RedisServer
 from broker.redis.syncer import RedisSyncerTransport

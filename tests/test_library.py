@@ -31,7 +31,8 @@ from broker.errors import ConfigError
 from broker.fragments import FragmentPlan, synced_parameters
 from broker.identity.keys import RunKeys
 from broker.redis.access import SYNCER_USER
-from broker.redis.common import FIELD, changes_key, globals_stream_key, model_key
+from broker.redis.frames import FIELD
+from broker.redis.names import changes_key, globals_stream_key, model_key
 from broker.redis.server import RedisServer, free_port
 from broker.run.initial_model import write_initial_model
 from broker.run.settings import RunSettings

@@ -25,8 +25,9 @@ from broker.redis.access import (
     member_user,
     password_digest,
 )
-from broker.redis.common import (
-    check_entry,
+from broker.redis.frames import check_entry
+from broker.redis.learner import RedisLearnerTransport
+from broker.redis.names import (
     delta_stream_key,
     globals_stream_key,
     grant_key,
@@ -36,7 +37,6 @@ from broker.redis.common import (
     requests_key,
     roster_key,
 )
-from broker.redis.learner import RedisLearnerTransport
 from broker.redis.server import RedisServer
 from broker.redis.syncer import RedisSyncerTransport
 from broker.run.key_folder import make_keys

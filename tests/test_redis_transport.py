@@ -28,13 +28,12 @@ import torch
 
 from broker.errors import ConfigError
 from broker.identity.keys import RunKeys
-from broker.redis import deltas as redis_deltas
-from broker.redis.common import (
-    FIELD,
+from broker.redis import delta_reader as redis_deltas
+from broker.redis.frames import FIELD, PART_FIELDS, check_entry
+from broker.redis.learner import RedisLearnerTransport
+from broker.redis.names import (
     GROUP,
-    PART_FIELDS,
     changes_key,
-    check_entry,
     delta_stream_key,
     globals_stream_key,
     heartbeat_key,
@@ -42,7 +41,6 @@ from broker.redis.common import (
     roster_key,
     weightless_key,
 )
-from broker.redis.learner import RedisLearnerTransport
 from broker.redis.options import RedisOptions
 from broker.redis.server import RedisServer
 from broker.redis.syncer import RedisSyncerTransport

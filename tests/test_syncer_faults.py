@@ -31,7 +31,8 @@ import torch
 
 from broker.connect import connect_learner
 from broker.identity.keys import RunKeys
-from broker.redis.common import FIELD, globals_stream_key
+from broker.redis.frames import FIELD
+from broker.redis.names import globals_stream_key
 from broker.redis.server import RedisServer
 from broker.run.settings import RunSettings
 from broker.transport import LearnerTransport

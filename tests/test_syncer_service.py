@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 from broker.errors import ConfigError
 from broker.identity.keys import RunKeys
 from broker.redis.access import SYNCER_USER
-from broker.redis.common import resume_key
+from broker.redis.names import resume_key
 from broker.redis.server import RedisServer, free_port
 from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import Inbound

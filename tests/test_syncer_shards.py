@@ -18,7 +18,7 @@ from broker.connect import lease_shard
 from broker.errors import TransportError
 from broker.fragments import owned_fragments, owner_shard
 from broker.identity.keys import RunKeys
-from broker.redis.common import shard_key, term_key
+from broker.redis.names import shard_key, term_key
 from broker.redis.server import RedisServer
 from broker.redis.shards import ShardLease
 from broker.run.key_folder import make_keys

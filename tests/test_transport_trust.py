@@ -27,7 +27,8 @@ import torch
 
 from broker.connect import connect_learner, connect_syncer
 from broker.fragments import FragmentPlan, ParamSpec
-from broker.redis.common import FIELD, globals_stream_key, model_key
+from broker.redis.frames import FIELD
+from broker.redis.names import globals_stream_key, model_key
 from broker.redis.server import RedisServer, free_port
 from broker.transport import Inbound, LearnerTransport, SyncerTransport
 from broker.wire.codecs import Codec

@@ -33,9 +33,9 @@ import redis
 
 from broker.files import write_private
 from broker.identity.keys import REDIS_ACL, RunKeys
-from broker.redis.common import (
+from broker.redis.link import connect
+from broker.redis.names import (
     changes_key,
-    connect,
     delta_stream_key,
     globals_stream_key,
     grant_key,
@@ -152,8 +152,17 @@ def lock_down_if_open(url: str, socket_timeout_s: float, keys: RunKeys) -> bool:
         default = [u for u in users if u[0] == "default"]
         for name, *rules in [u for u in users if u[0] != "default"] + default:
             client.execute_command("ACL", "SETUSER", name, "reset", *rules)
-    except (redis.AuthenticationError, redis.ResponseError, redis.ConnectionError):
-        return False  # not open (or not up: the syncer's own connection retries)
+    except redis.AuthenticationError:
+        return False  # not open: it asks for a password
+    except (redis.ResponseError, redis.ConnectionError) as e:
+        # Not up (the syncer's own connection retries), it refused a SETUSER, or
+        # (rediss://) its certificate is not checked against the run's CA here.
+        log.warning(
+            "redis at %s: not checked whether it takes anyone, so not given the run's "
+            "users (%s); a server started with --aclfile %s needs neither",
+            url.split("@")[-1], e, keys.folder / "redis.acl",
+        )  # fmt: skip
+        return False
     finally:
         client.close()
     log.warning(

@@ -5,7 +5,7 @@ the ``ddiloco-join`` user, who may do nothing else): an
 :class:`~broker.wire.messages.Enroll` names the learner's key (its Redis password's
 digest), its role and the learner id it will send as; a
 :class:`~broker.wire.messages.LeaseRequest` asks for a learner slot. The syncer that
-owns fragment 0 takes them (:data:`~broker.redis.common.TAKE_BOUNDED`: no
+owns fragment 0 takes them (:data:`~broker.redis.scripts.TAKE_BOUNDED`: no
 request larger than :data:`MAX_REQUEST_BYTES` leaves the server), applies the
 rules of :class:`~broker.identity.members.Members` and
 :class:`~broker.identity.members.SlotLeases` (the same as over ZeroMQ), and then:
@@ -33,15 +33,13 @@ import redis
 from broker.identity.keys import RunKeys
 from broker.identity.members import MAX_MEMBERS, Members, SlotLeases
 from broker.redis.access import member_rules, member_user
-from broker.redis.common import (
+from broker.redis.frames import check_frame
+from broker.redis.names import grant_key, requests_key, roster_key
+from broker.redis.scripts import (
     BOUNDED_XADD,
     SNAPSHOTS_UNLESS_HELD,
     STREAM_TRIMMED_PAST,
     TAKE_BOUNDED,
-    check_frame,
-    grant_key,
-    requests_key,
-    roster_key,
 )
 from broker.transport import TransportStats, learner_id_of
 from broker.wire.messages import Enroll, LeaseRequest

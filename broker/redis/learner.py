@@ -1,10 +1,11 @@
 """Learner side of the Redis Streams transport (docs/transports.md).
 
-Keys, the delivery contract and the connection handling both sides share are in
-:mod:`broker.redis.common`. A learner XADDs its deltas to its own delta stream
-of their fragment (:class:`~broker.redis.deltas.DeltaQueue`), SETs its
+The delivery contract is in :mod:`broker.redis`, the keys in
+:mod:`broker.redis.names` and the connection handling both sides share in
+:mod:`broker.redis.link`. A learner XADDs its deltas to its own delta stream
+of their fragment (:class:`~broker.redis.delta_queue.DeltaQueue`), SETs its
 heartbeat key, XREADs the globals stream and GETs the snapshot keys when it
-has no base or sees a gap (:class:`~broker.redis.globals.GlobalsReader`).
+has no base or sees a gap (:class:`~broker.redis.globals_reader.GlobalsReader`).
 
 It enrolls on the run's requests stream (:mod:`broker.redis.admission`): at
 start, naming its key and role, and again, naming its learner id, once it
@@ -40,19 +41,13 @@ from broker.redis.access import (
     password_digest,
 )
 from broker.redis.admission import MAX_REQUEST_BYTES, REQUESTS_MAXLEN
-from broker.redis.common import (
-    FIELD,
-    RedisLink,
-    connect,
-    encode_bounded,
-    grant_key,
-    heartbeat_key,
-    is_transient,
-    requests_key,
-)
-from broker.redis.deltas import DeltaQueue
-from broker.redis.globals import GlobalCheck, GlobalsReader, NoticeReader, SnapshotKeys
+from broker.redis.delta_queue import DeltaQueue
+from broker.redis.frames import FIELD, encode_bounded
+from broker.redis.globals_reader import GlobalsReader, NoticeReader
+from broker.redis.link import REFUSED, Failed, Outage, RedisLink, connect, transient_call
+from broker.redis.names import grant_key, heartbeat_key, requests_key
 from broker.redis.options import RedisOptions
+from broker.redis.snapshot_keys import GlobalCheck, SnapshotKeys
 from broker.transport import LearnerTransport, TransportError, lease_request_ok
 from broker.wire.messages import Delta, Enroll, GlobalFragment, Heartbeat, LeaseRequest
 
@@ -119,6 +114,9 @@ class RedisLearnerTransport(LearnerTransport):
         self._enrolled_at = -float("inf")  # the last try
         self._enroll_due = 0.0
         self._told = ""  # the last refusal logged
+        self._requests_outage = Outage(
+            f"learner {learner_id}: a request to redis", "asked again while due"
+        )
         self._link = RedisLink(
             client, f"learner {learner_id}", self._refused_by_redis, stats=self.stats
         )
@@ -182,15 +180,15 @@ class RedisLearnerTransport(LearnerTransport):
     def _request(self, frame: bytes) -> str | None:
         """XADD ``frame`` to the requests stream; its entry id, or None when Redis
         is away (the caller asks again)."""
-        try:
-            entry = self._requests.xadd(
+        entry = transient_call(
+            lambda: self._requests.xadd(
                 requests_key(self.run_id), {FIELD: frame}, maxlen=REQUESTS_MAXLEN, approximate=True
             )
-        except Exception as e:
-            if not is_transient(e):
-                raise
-            log.debug("learner %s: request not written: %s", self.learner_id, e)
+        )
+        if isinstance(entry, Failed):
+            self._requests_outage.failed(entry.error)  # the caller asks again
             return None
+        self._requests_outage.ended()
         return entry.decode() if isinstance(entry, bytes) else str(entry)
 
     def _act_as_learner(self) -> None:
@@ -203,14 +201,18 @@ class RedisLearnerTransport(LearnerTransport):
     def _refused_by_redis(self, error: Exception) -> None:
         """Redis refused our user or a command (our user is not made, or not
         widened to our learner id, yet): enroll again."""
-        if isinstance(error, (redis.AuthenticationError, redis.exceptions.NoPermissionError)):
+        if isinstance(error, REFUSED):
             self._enroll_due = min(self._enroll_due, self._enrolled_at + _ENROLL_EVERY_S)
             self._enroll()
         if isinstance(error, redis.exceptions.NoPermissionError):
             # Our user exists, so the syncer's answer can be read: say a refusal once.
             try:
                 answer = _text(self._link.client.get(grant_key(self.run_id, self.key)))
-            except redis.RedisError:
+            except redis.RedisError as e:
+                log.warning(
+                    "learner %s: the syncer's answer to our enrollment not read (%s); read "
+                    "again at the next refusal", self.learner_id, e,
+                )  # fmt: skip
                 return
             reason = answer.partition(" ")[2]
             if reason in _ENROLL_REFUSALS and reason != self._told:
@@ -239,7 +241,7 @@ class RedisLearnerTransport(LearnerTransport):
         """Write ``heartbeat``; while Redis is away the newest one is kept (an
         older one kept is dropped) and written ahead of the queued deltas."""
         if heartbeat.run_id != self.run_id or heartbeat.learner_id != self.learner_id:
-            raise ValueError("heartbeat of another run or learner")
+            raise ConfigError("heartbeat of another run or learner")
         frame = encode_bounded(heartbeat, self.max_message_bytes)
         self._act_as_learner()
         if self._unwritten_heartbeat is not None:
@@ -255,19 +257,13 @@ class RedisLearnerTransport(LearnerTransport):
         learner waits for its admission, sent in a burst without it, would meet
         the bare floor of steps and be refused (too_many_steps)."""
         frame = self._unwritten_heartbeat
-        if frame is None or self._link.backing_off():
-            return
-        try:
-            self._link.client.set(
+        if frame is None or not self._link.attempt(
+            lambda: self._link.client.set(
                 heartbeat_key(self.run_id, self.learner_id), frame, ex=HEARTBEAT_TTL_S
             )
-        except Exception as e:
-            if not is_transient(e):
-                raise
-            self._link.failed(e)
+        ):
             return
         self._unwritten_heartbeat = None
-        self._link.succeeded()
         self.stats.bytes_sent += len(frame)
         self.stats.messages_sent += 1
 
@@ -296,7 +292,7 @@ class RedisLearnerTransport(LearnerTransport):
     ) -> dict[int, GlobalFragment]:
         bad = [p for p in fragments if not 0 <= p < self.num_fragments]
         if bad:
-            raise ValueError(f"fragments {bad} outside [0, {self.num_fragments})")
+            raise ConfigError(f"fragments {bad} outside [0, {self.num_fragments})")
         return self._link.call_within(
             timeout_s, lambda: self._globals.load(list(fragments), held), "snapshot"
         )
@@ -306,7 +302,7 @@ class RedisLearnerTransport(LearnerTransport):
         """Ask the admitting syncer on the requests stream; its answer is read from
         our key's grant (only our ACL user may read it)."""
         if not lease_request_ok(ttl_s, held_slot):
-            raise ValueError(f"lease of slot {held_slot} for {ttl_s}s: out of bounds")
+            raise ConfigError(f"lease of slot {held_slot} for {ttl_s}s: out of bounds")
         req = LeaseRequest(
             run_id=self.run_id, holder=holder, held_slot=held_slot, ttl_s=ttl_s,
             owner_key=self.key,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from broker.checks import check_int, check_positive, require
-from broker.redis.common import GROUP
+from broker.redis.names import GROUP
 from broker.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 # Versions between two whole snapshots of a fragment's weights, at most: a

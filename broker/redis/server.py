@@ -117,19 +117,24 @@ class RedisServer:
             args += ["--aclfile", str(self.keys / REDIS_ACL)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = self.client(socket_timeout=1)
+        last_error: list[redis.RedisError] = []  # why the last PING failed
 
         def up() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
                 raise TransportError(f"redis-server exited; see {self.workdir / 'redis.log'}")
             try:
                 return bool(client.ping())
-            except redis.RedisError:
+            except redis.RedisError as e:  # not up yet: asked again until the deadline
+                last_error[:] = [e]
                 return False
 
         deadline = time.monotonic() + timeout_s
         while not up():
             if time.monotonic() > deadline:
-                raise TransportError(f"redis-server did not answer PING within {timeout_s} s")
+                raise TransportError(
+                    f"redis-server did not answer PING within {timeout_s} s "
+                    f"({last_error[0] if last_error else 'no reply'})"
+                )
             time.sleep(0.02)
         client.close()
 

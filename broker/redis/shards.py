@@ -1,7 +1,7 @@
 """A syncer's shard, leased from Redis, and the term that fences its writes.
 
 Every Redis syncer serves its shard under a lease: a key with a time to live
-(:func:`~broker.redis.common.shard_key`) naming its holder. With ``--shard
+(:func:`~broker.redis.names.shard_key`) naming its holder. With ``--shard
 auto`` it takes the lowest index nobody holds, under its host name and
 process id; in a container that is the container's id and 1, which survive a
 restart of the container, so a restarted syncer gets its own shard back at
@@ -13,7 +13,7 @@ runs out: on any host, since a syncer without a checkpoint rebuilds from the
 state Redis keeps (``Syncer._rebuild_from_broker``).
 
 Each new tenure of a shard's lease (a holder that did not hold it already)
-adds one to the shard's term (:func:`~broker.redis.common.term_key`), which
+adds one to the shard's term (:func:`~broker.redis.names.term_key`), which
 never goes down. The holder's writes that publish or acknowledge run in a
 transaction that watches the term (:class:`Fence`): once another syncer took
 the shard, the old holder's writes are refused and counted, and it stops,
@@ -37,7 +37,9 @@ import redis
 from redis.client import Pipeline
 
 from broker.errors import ConfigError, Fenced, TransportError
-from broker.redis.common import is_transient, shard_key, term_key, to_str
+from broker.redis.frames import to_str
+from broker.redis.link import Failed, Outage, transient_call
+from broker.redis.names import shard_key, term_key
 
 log = logging.getLogger(__name__)
 
@@ -170,38 +172,45 @@ class ShardLease:
         said = False
         while True:
             try:
-                # Our own index first: after a restart it is still held by us.
-                order = (
-                    [only]
-                    if only is not None
-                    else sorted(range(self.shards), key=lambda s: not self._holds(s))
-                )
-                for s in order:
-                    if term := self._try(s):
-                        self.shard, self.term = s, term
-                        self._thread = threading.Thread(
-                            target=self._renew, name="ddiloco-shard-lease", daemon=True
-                        )
-                        self._thread.start()
-                        return s
-                if not said:
-                    log.warning(
-                        "%s of run %s held by a live syncer: %s waits as a standby and takes "
-                        "it once its lease runs out",
-                        f"shard {only} is" if only is not None else f"all {self.shards} shards are",
-                        self._run_id, self.holder,
-                    )  # fmt: skip
-                    said = True
+                taken = transient_call(lambda: self._take_free(only))
             except redis.RedisError as e:
-                if not is_transient(e):
-                    raise TransportError(f"shard lease: {e}") from e
-                log.warning("shard lease: redis is out of reach (%s); trying again", e)
+                raise TransportError(f"shard lease: {e}") from e
+            if isinstance(taken, Failed):
+                log.warning("shard lease: redis is out of reach (%s); trying again", taken.error)
+            elif taken is not None:
+                self._thread = threading.Thread(
+                    target=self._renew, name="ddiloco-shard-lease", daemon=True
+                )
+                self._thread.start()
+                return taken
+            elif not said:
+                log.warning(
+                    "%s of run %s held by a live syncer: %s waits as a standby and takes "
+                    "it once its lease runs out",
+                    f"shard {only} is" if only is not None else f"all {self.shards} shards are",
+                    self._run_id, self.holder,
+                )  # fmt: skip
+                said = True
             if deadline is not None and time.monotonic() >= deadline:
                 raise TransportError(
                     f"no free shard of {self.shards} within {timeout_s:.0f}s: every index is "
                     "held by a live syncer (start at most DDILOCO_SHARDS syncers)"
                 )
             time.sleep(min(1.0, self.ttl_s / 4))
+
+    def _take_free(self, only: int | None) -> int | None:
+        """Take the lowest free index (our own first: after a restart it is still
+        held by us), or just ``only``; the index taken, or None (all held)."""
+        order = (
+            [only]
+            if only is not None
+            else sorted(range(self.shards), key=lambda s: not self._holds(s))
+        )
+        for s in order:
+            if term := self._try(s):
+                self.shard, self.term = s, term
+                return s
+        return None
 
     def _holds(self, shard: int) -> bool:
         held = self._client.get(shard_key(self._run_id, shard))
@@ -211,14 +220,20 @@ class ShardLease:
         """Renew until closed. While Redis is out of reach nobody can take the
         index (the lease is Redis's), so the holder keeps trying: once back,
         its term says whether another syncer held the shard meanwhile."""
+        outage = Outage(
+            f"renewing the lease of shard {self.shard}",
+            f"tried again every {self.ttl_s / 4:.1f}s (nobody else can take it meanwhile)",
+        )
         while not self._stop.wait(self.ttl_s / 4):
             try:
-                term = self._try(self.shard)
+                term = transient_call(lambda: self._try(self.shard))
             except redis.RedisError as e:
-                if not is_transient(e):
-                    self._lose(f"not renewed: {e}")
-                    return
+                self._lose(f"not renewed: {e}")
+                return
+            if isinstance(term, Failed):  # redis out of reach
+                outage.failed(term.error)
                 continue
+            outage.ended()
             if term != self.term:
                 self._lose(
                     "another syncer holds it now"
@@ -240,5 +255,8 @@ class ShardLease:
             try:
                 self._release(keys=[shard_key(self._run_id, self.shard)], args=[self.holder])
             except redis.RedisError as e:  # it runs out by itself
-                log.debug("shard lease not released: %s", e)
+                log.warning(
+                    "lease of shard %d not released (%s): a standby takes it once it runs "
+                    "out, within %.1fs", self.shard, e, self.ttl_s,
+                )  # fmt: skip
         self._client.close()

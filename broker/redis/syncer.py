@@ -1,16 +1,18 @@
 """Syncer side of the Redis Streams transport (docs/transports.md).
 
-Keys, the delivery contract and the connection handling both sides share are in
-:mod:`broker.redis.common`. A syncer is one consumer of the group ``syncers`` on
+The delivery contract is in :mod:`broker.redis`, the keys in
+:mod:`broker.redis.names` and the connection handling both sides share in
+:mod:`broker.redis.link`. A syncer is one consumer of the group ``syncers`` on
 the delta streams of the fragments it owns, one stream per fragment and
 learner of the roster: it re-reads its own pending entries, takes over those
 a dead consumer left (XAUTOCLAIM after ``claim_idle_s``), reads new ones with
-XREADGROUP, XACKs what the caller acks and trims the streams below what any
-group still needs (:mod:`broker.redis.deltas`). It reads the roster's
-heartbeat keys, each in bounded form, and publishes each new global to its
-snapshot keys and the globals stream at once (its weights every
-``snapshot_every`` versions, :mod:`broker.redis.globals`). The syncer that owns fragment 0
-also admits learners (:mod:`broker.redis.admission`).
+XREADGROUP and XACKs what the caller acks (:mod:`broker.redis.delta_reader`),
+and trims the streams below what any group still needs
+(:mod:`broker.redis.delta_trimmer`). It reads the roster's heartbeat keys, each
+in bounded form, and publishes each new global to its snapshot keys and the
+globals stream at once (its weights every ``snapshot_every`` versions,
+:mod:`broker.redis.globals_publisher`). The syncer that owns fragment 0 also
+admits learners (:mod:`broker.redis.admission`).
 
 Connection errors never escape, not even from ``publish``: the newest
 unpublished global of each fragment stays queued until redis is back.
@@ -33,25 +35,22 @@ from broker.identity.members import MAX_MEMBERS
 from broker.identity.signing import GlobalSigner, GlobalVerifier
 from broker.redis.access import SYNCER_USER, lock_down_if_open
 from broker.redis.admission import Admission
-from broker.redis.common import (
-    FIELD,
+from broker.redis.delta_reader import DeltaReader, Token
+from broker.redis.delta_trimmer import DeltaTrimmer
+from broker.redis.frames import FIELD, check_frame, encode_bounded, to_str
+from broker.redis.globals_publisher import GlobalsPublisher
+from broker.redis.link import RedisLink, connect
+from broker.redis.names import (
     NOTICES_MAXLEN,
     NOTICES_TTL_S,
-    RedisLink,
-    check_frame,
-    connect,
-    encode_bounded,
     heartbeat_key,
-    is_transient,
     notices_key,
     resume_key,
     roster_key,
-    to_str,
 )
-from broker.redis.deltas import DeltaReader, DeltaTrimmer, Token
-from broker.redis.globals import GlobalCheck, GlobalsPublisher, SnapshotKeys
 from broker.redis.options import RedisOptions
 from broker.redis.shards import Fence, execute, transaction
+from broker.redis.snapshot_keys import GlobalCheck, SnapshotKeys
 from broker.transport import MAX_LEARNER_SLOTS, Inbound, SyncerTransport, TransportStats
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat, Refusal
 
@@ -86,8 +85,11 @@ def warn_unless_durable(client: redis.Redis, consumer: str) -> None:
         )
     except redis.RedisError as e:  # CONFIG or ACL renamed or denied, or not up: no verdict
         log.warning(
-            "syncer %s: cannot tell whether redis keeps what it acknowledges: %s", consumer, e
-        )
+            "syncer %s: not checked whether redis keeps what it acknowledges (that it runs "
+            "with AOF, and that its default user may replay it): CONFIG GET appendonly or "
+            "ACL DRYRUN failed (%s)",
+            consumer, e,
+        )  # fmt: skip
         return
     if config.get("appendonly", "yes") != "yes":
         log.warning(
@@ -112,12 +114,19 @@ def check_value_limit(client: redis.Redis, max_message_bytes: int) -> None:
     """Fail at start when the run's largest message (its largest fragment in
     fp32: a snapshot key's value) is over the largest value this Redis takes
     (``proto-max-bulk-len``; its default when CONFIG is denied or Redis is
-    not up yet), rather than on the first publish of that snapshot."""
+    not up yet, said in a warning), rather than on the first publish of that
+    snapshot."""
     try:
         reply = cast(dict[Any, Any], client.config_get("proto-max-bulk-len"))
         limit = int(to_str(next(iter(reply.values()))))
-    except Exception:  # denied by an ACL, renamed, or not up: its default
+    except Exception as e:  # denied by an ACL, renamed, or not up: its default
         limit = REDIS_DEFAULT_BULK_BYTES
+        log.warning(
+            "redis's largest value (proto-max-bulk-len) not read (%s): assuming redis's "
+            "default proto-max-bulk-len of %d MiB; a server configured lower refuses a "
+            "snapshot of this run's largest message (%.1f MiB) only when it is published",
+            str(e) or type(e).__name__, limit // 2**20, max_message_bytes / 2**20,
+        )  # fmt: skip
     if max_message_bytes > limit:
         raise ConfigError(
             f"this run's largest message is {max_message_bytes / 2**20:,.1f} MiB (its largest "
@@ -139,14 +148,18 @@ def _check_syncer_user(client: redis.Redis, url: str) -> None:
             "another run's users; start it with --aclfile KEYS/redis.acl of this run's keys "
             "(one Redis serves the runs of one key folder)"
         ) from None
-    except redis.RedisError:
-        pass
+    except redis.RedisError as e:  # not up yet: the syncer's connection waits for it
+        log.warning(
+            "redis at %s: not checked whether it knows the syncers' user by this run's "
+            "password (%s); the syncer's connection waits for redis",
+            url.split("@")[-1], e,
+        )  # fmt: skip
 
 
 class RedisSyncerTransport(SyncerTransport):
     """Syncer side: a consumer of group ``syncers`` on the owned fragments' delta
-    streams (:class:`~broker.redis.deltas.DeltaReader`, trimmed by
-    :class:`~broker.redis.deltas.DeltaTrimmer`); reads the learners' heartbeats
+    streams (:class:`~broker.redis.delta_reader.DeltaReader`, trimmed by
+    :class:`~broker.redis.delta_trimmer.DeltaTrimmer`); reads the learners' heartbeats
     (:class:`HeartbeatRoster`) and publishes globals to the globals stream and the
     snapshot keys (:class:`GlobalsPublisher`)."""
 
@@ -230,12 +243,8 @@ class RedisSyncerTransport(SyncerTransport):
             GlobalSigner(keys) if keys else None, verifier, options.snapshot_every, fence,
         )  # fmt: skip
         self._fence = fence
-        try:
-            self._deltas.ensure_groups()
-        except Exception as e:
-            if not is_transient(e):
-                raise
-            self._link.failed(e)  # receive() creates them once redis is back
+        # Where redis is away, receive() creates them once it is back.
+        self._link.call(self._deltas.ensure_groups)
 
     @property
     def connection_errors(self) -> int:
