@@ -40,30 +40,29 @@ class Intake:
 
     def take(self, items: list[Inbound], now: float, wall_s: float) -> list[Inbound]:
         """Heartbeats, then deltas; returns what can be acknowledged at once."""
-        # Heartbeats first: a learner's pace, which bounds its deltas' step
-        # counts, is then known even when its first heartbeat after a syncer
-        # restart arrived in the same batch as its delta.
+        # Heartbeats first, for liveness only: a delta's step count is bounded by
+        # the pace its learner's deltas show, whatever came first.
         # A heartbeat of a learner not on the roster yet is kept for this batch:
-        # if its delta below makes it a member, its step time counts at once, so
-        # the batch's next deltas from it are bounded by its pace, not the floor.
+        # if its delta below makes it a member, it counts as heard at once.
         self._unheard = {}
         for item in items:
             if isinstance(item.message, Heartbeat) and not self._heard(item.message, now):
                 self._unheard[item.message.learner_id] = item.message
-        if any(isinstance(item.message, Delta) for item in items):
+        deltas = [(item, item.message) for item in items if isinstance(item.message, Delta)]
+        if deltas:
             self.crash_point("after_receive")
-        to_ack = [
-            item
-            for item in items
-            if isinstance(item.message, Delta) and self._on_delta(item, now, wall_s)
-        ]
+        # Each learner's deltas in the order of its steps, whatever order the
+        # transport read them in (Redis: stream by stream): the first of a burst
+        # is then the one its pace is measured from (syncer.trust.delta_pace).
+        deltas.sort(key=lambda pair: (pair[1].incarnation, pair[1].step))
+        to_ack = [item for item, _ in deltas if self._on_delta(item, now, wall_s)]
         # Not on the roster: anyone can send a heartbeat under a made-up id.
         self.metrics.ignored_heartbeats(len(self._unheard))
         return to_ack
 
     def _heard(self, hb: Heartbeat, now: float) -> bool:
         """Record a heartbeat; False when its learner is not on the roster."""
-        return self.membership.roster.heard(hb.learner_id, now, hb.step_time_s, hb.step)
+        return self.membership.roster.heard(hb.learner_id, now, hb.step_time_s)
 
     def _refusal_by_metadata(self, d: Delta, state: FragmentState | None, now: float) -> str | None:
         """Why a delta is refused before its payload is looked at, or None."""
@@ -95,7 +94,9 @@ class Intake:
             except WireError as e:
                 self.refuse(item, e.reason)
                 return False
-            step_s = self.membership.roster.credited_step_s(d.learner_id)
+            step_s = self.membership.roster.credited_step_s(
+                d.learner_id, incarnation=d.incarnation, step=d.step, wall_s=wall_s
+            )
             status = state.offer(d, tensor, ref, now, wall_s=wall_s, step_s=step_s)
         if status in (ACCEPTED, HELD):
             roster = self.membership.roster
@@ -103,6 +104,8 @@ class Intake:
             if evicted is not None:
                 log.info("%s joins the roster in place of %s (silent)", d.learner_id, evicted)
                 self.metrics.event("roster_replace", learner=d.learner_id, replaced=evicted)
+            if status == ACCEPTED:  # its pace bounds the learner's next deltas
+                roster.paced(d.learner_id, d.incarnation, d.step, wall_s)
             unheard = self._unheard.pop(d.learner_id, None)
             if unheard is not None:
                 self._heard(unheard, now)

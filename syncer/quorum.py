@@ -14,13 +14,15 @@ import statistics
 from collections import deque
 from collections.abc import Collection
 
-from syncer.trust import credited_step_s
+from syncer.trust import PaceMark, credited_step_s, delta_pace
 
-# Pace samples a member's fastest pace is taken over (about one per step or per
-# read of the heartbeats). Long enough to span a busy spell of a shared
-# machine: a learner that sped up again (a neighbour's job ended) by more than
-# STEP_MARGIN over every sample of a short window had its honest step counts
-# refused as impossible (16 samples did, in a run on a loaded machine).
+# Pace samples (one per accepted delta that arrived after time passed) a
+# member's pace is taken over: its fastest bounds its own step counts, its
+# median is its say in the roster's cap on everyone's. Long enough to span a
+# busy spell of a shared machine: a learner that sped up again (a neighbour's
+# job ended) by more than STEP_MARGIN over every sample of a short window had
+# its honest step counts refused as impossible (16 samples did, in a run on a
+# loaded machine).
 PACE_WINDOW = 256
 
 
@@ -193,13 +195,12 @@ class Roster:
         self.created_at = now
         self.last_heard: dict[str, float] = {}
         self.last_delta: dict[str, float] = {}  # when each member's last delta was accepted
-        self.step_s: dict[str, Ema] = {}
-        # The fastest of each member's last PACE_WINDOW pace samples: a stall (a
-        # first step that waited to join, a collection, a busy core) must not
-        # make an honest learner's next deltas look impossible, as an average
-        # that remembers it would for many samples.
+        self.step_s: dict[str, Ema] = {}  # the step times its heartbeats report
+        # Each member's pace, read from its accepted deltas (syncer.trust.delta_pace):
+        # the mark the next is measured from, and the last PACE_WINDOW samples.
         self.pace_s: dict[str, deque[float]] = {}
-        self._pace_from: dict[str, tuple[int, float]] = {}  # (step, time) pace is measured from
+        self._pace_mark: dict[str, PaceMark] = {}
+        self._typical: dict[str, float] = {}  # the median of each member's samples
 
     def __contains__(self, learner: str) -> bool:
         return learner in self.members
@@ -241,51 +242,49 @@ class Roster:
             self.last_delta.pop(evicted, None)
             self.step_s.pop(evicted, None)
             self.pace_s.pop(evicted, None)
-            self._pace_from.pop(evicted, None)
+            self._pace_mark.pop(evicted, None)
+            self._typical.pop(evicted, None)
         self.members.add(learner)
         self.last_heard[learner] = now
         self.last_delta[learner] = now
         return evicted
 
-    def heard(
-        self, learner: str, now: float, step_time_s: float = 0.0, step: int | None = None
-    ) -> bool:
+    def heard(self, learner: str, now: float, step_time_s: float = 0.0) -> bool:
         """A heartbeat; False (and nothing recorded) if ``learner`` is not on the roster.
 
-        Two step times per learner, each capped at the heartbeat timeout (one
-        stalled step, or a lying peer, must not stretch every grace window past
-        the time a dead learner takes to be noticed): ``step_times``, an average
-        of the step times it reports, for the grace window; ``pace_times``, the
-        fastest of its last PACE_WINDOW samples of the smaller of the reported
-        one and its pace on this clock since an earlier heartbeat (time per step
-        over the interval), for bounding its step counts: slow steps (the first
-        one, which waited to join; a collection; a busy core) then do not make an
-        honest learner look slower than it is, and a restart's pause does not
-        either.
+        Heartbeats are liveness only: the member is live, and the step time it
+        reports, capped at the heartbeat timeout (one stalled step, or a lying
+        peer, must not stretch every grace window past the time a dead learner
+        takes to be noticed), feeds ``step_times``, an average per member, for
+        the grace window and the rounds' wait (:meth:`waited_for`). Nothing a
+        heartbeat says bounds a delta: a member's pace is read from its deltas
+        (:meth:`paced`), so no rule depends on which of the two came first.
         """
         if learner not in self.members:
             return False
         self.last_heard[learner] = now
-        reported = step_time_s if step_time_s > 0 else None
-        fastest = reported
-        if step is not None:
-            since = self._pace_from.get(learner)
-            if since is None or step < since[0]:
-                self._pace_from[learner] = (step, now)  # a first heartbeat, or a restart
-            elif step > since[0] and now > since[1]:
-                # (The same step again, a heartbeat sent twice, leaves
-                # the interval's start where it was: restarting it there would
-                # date the next step from the repeat, and make it look fast.)
-                pace = (now - since[1]) / (step - since[0])
-                fastest = pace if fastest is None else min(fastest, pace)
-                self._pace_from[learner] = (step, now)
-        if reported is not None:
+        if step_time_s > 0:
             ema = self.step_s.setdefault(learner, Ema(self.ema_alpha))
-            ema.update(min(reported, self.heartbeat_timeout_s))
-        if fastest is not None:
-            window = self.pace_s.setdefault(learner, deque(maxlen=PACE_WINDOW))
-            window.append(min(fastest, self.heartbeat_timeout_s))
+            ema.update(min(step_time_s, self.heartbeat_timeout_s))
         return True
+
+    def paced(self, learner: str, incarnation: int, step: int, wall_s: float) -> None:
+        """A member's delta was accepted, arriving at ``wall_s`` (the syncer's wall
+        clock): the pace it shows (:func:`syncer.trust.delta_pace`)
+        joins its samples, capped at the heartbeat timeout (a learner paused
+        for longer is not slower than that when it goes on). A sample of 0 (a
+        delta of the same instant as its previous one) bounds that delta only
+        (:meth:`credited_step_s`) and is not kept: the interval after it counts
+        those steps."""
+        if learner not in self.members:
+            return
+        pace, mark = delta_pace(self._pace_mark.get(learner), incarnation, step, wall_s)
+        if mark is not None:
+            self._pace_mark[learner] = mark
+        if pace is not None and pace > 0:
+            window = self.pace_s.setdefault(learner, deque(maxlen=PACE_WINDOW))
+            window.append(min(pace, self.heartbeat_timeout_s))
+            self._typical[learner] = statistics.median(window)
 
     def live(self, now: float) -> set[str]:
         """Members heard from (heartbeat or accepted delta) within the heartbeat timeout."""
@@ -294,32 +293,53 @@ class Roster:
 
     def waited_for(self, now: float, sync_every: int) -> set[str]:
         """The live members a round waits for: those whose deltas still arrive,
-        the last one accepted within 2 x ``sync_every`` (H) x the member's
-        credited step time (:func:`syncer.trust.credited_step_s`; a member
-        sends a delta of every fragment each H steps). Heartbeats alone keep a
-        member on the roster, not in the wait: a learner that stopped sending,
-        or anyone heartbeating under its id, cannot hold rounds open. Without
-        a pace yet, live is enough."""
+        the last one accepted within 2 x ``sync_every`` (H) x the step time the
+        member's heartbeats report (a member sends a delta of every fragment
+        each H steps). Heartbeats alone keep a member on the roster, not in
+        the wait: a learner that stopped sending, or anyone heartbeating under
+        its id, cannot hold rounds open for longer than that. Without a step
+        time reported yet, live is enough."""
         waited = set()
+        times = self.step_times()
         for name in self.live(now):
-            step_s = self.credited_step_s(name)
+            step_s = times.get(name)
             since = now - self.last_delta.get(name, -math.inf)
             if step_s is None or since <= 2 * sync_every * step_s:
                 waited.add(name)
         return waited
 
-    def credited_step_s(self, learner: str) -> float | None:
-        """The step time ``learner`` is credited with (:func:`syncer.trust.credited_step_s`)."""
-        times = self.pace_times()
-        return credited_step_s(times.get(learner), list(times.values()))
+    def credited_step_s(
+        self,
+        learner: str,
+        *,
+        incarnation: int | None = None,
+        step: int | None = None,
+        wall_s: float | None = None,
+    ) -> float | None:
+        """The step time ``learner`` is credited with (:func:`syncer.trust.credited_step_s`):
+        the fastest pace of its recent deltas and, given the ``incarnation``
+        and ``step`` of its delta arriving at ``wall_s``, of that one too; never
+        faster than half the roster's median typical pace."""
+        window = self.pace_s.get(learner)
+        own = min(window) if window else None
+        if incarnation is not None and step is not None and wall_s is not None:
+            pace, _ = delta_pace(self._pace_mark.get(learner), incarnation, step, wall_s)
+            if pace is not None:
+                pace = min(pace, self.heartbeat_timeout_s)
+                own = pace if own is None else min(own, pace)
+        return credited_step_s(own, list(self._typical.values()))
 
     def step_times(self) -> dict[str, float]:
-        """Each member's reported step time, where one is known."""
+        """Each member's reported step time (its heartbeats'), where one is known."""
         return {name: e.value for name, e in self.step_s.items() if e.value is not None}
 
     def pace_times(self) -> dict[str, float]:
-        """Each member's fastest credible step time (see :meth:`heard`), where known."""
+        """Each member's fastest pace its deltas showed (see :meth:`paced`), where known."""
         return {name: min(window) for name, window in self.pace_s.items() if window}
+
+    def typical_pace_times(self) -> dict[str, float]:
+        """Each member's typical pace (the median of its samples), where known."""
+        return dict(self._typical)
 
     def median_step_s(self) -> float | None:
         """The roster's typical step time (the grace window's xi_step): the median

@@ -11,7 +11,10 @@ The three defences, and the figure each one stops:
 
 * :func:`check_report`: a forged ``c_steps`` (which would make a huge delta
   look small per step), ``c_tokens`` (which would buy weight) or incarnation
-  (which would make the real learner's later deltas look like replays).
+  (which would make the real learner's later deltas look like replays). The
+  steps are bounded by the time since the delta's base version was published,
+  at the pace the learner's own deltas show (:func:`delta_pace`), capped by
+  its peers' (:func:`credited_step_s`, :func:`max_steps`).
 * :class:`TypicalSize`, twice per fragment: the weight cap (one learner
   carrying a round on its own weight) and the quarantine bar (one delta far
   larger per inner step than what its fragment usually receives).
@@ -28,10 +31,11 @@ from dataclasses import dataclass
 from broker.wire.messages import Delta
 
 # How much faster than its measured pace a learner may seem to have trained.
-# Step times are averages of noisy samples and a learner may speed up (a
-# neighbour process ends), so the bound leaves this much room; applied again
-# against the roster's median pace (see credited_step_s), an honest learner up
-# to STEP_MARGIN**2 = 4x faster than the median is never refused.
+# A pace is measured between deltas whose arrival times carry network and
+# queueing noise, and a learner may speed up (a neighbour process ends), so the
+# bound leaves this much room; applied again against the roster's median pace
+# (see credited_step_s), an honest learner up to STEP_MARGIN**2 = 4x faster
+# than the median is never refused.
 STEP_MARGIN = 2.0
 
 REASON_STEPS = "too_many_steps"
@@ -51,14 +55,60 @@ class ReportLimits:
     max_clock_skew_s: float
 
 
+@dataclass(frozen=True)
+class PaceMark:
+    """Where a learner's pace is measured from: the incarnation and step of its
+    newest accepted delta, and when that delta (or the first of the same
+    instant) arrived, on the syncer's wall clock (the one versions are dated
+    by: a pace divides the time since a publication)."""
+
+    incarnation: int
+    step: int
+    at_s: float
+
+
+def delta_pace(
+    mark: PaceMark | None, incarnation: int, step: int, now: float
+) -> tuple[float | None, PaceMark | None]:
+    """The pace a learner's delta shows, and the mark its next delta is measured from.
+
+    The pace is the syncer's time per step of the learner's since its previous
+    delta: ``(now - mark.at_s) / (step - mark.step)``, seconds per step. Both
+    figures are the learner's own deltas', so no other message has to arrive
+    first. A burst (deltas held back, by a slow admission, an outage, a syncer
+    restart, then sent together) looks fast, down to 0 for deltas of the same
+    instant: a pace only ever makes the step bound more lenient the faster it
+    is, so a burst can never get an honest delta refused. A learner cannot
+    lift its own bound that way past the roster's (:func:`credited_step_s`).
+
+    None when the delta shows no pace: the learner's first delta, or that of a
+    new incarnation (a restart), which starts a mark; a delta of an older
+    incarnation or of no later step (a resend, another fragment's delta sent
+    earlier). The mark moves only once time has passed, so that the deltas of
+    one instant count towards the next interval's steps (the interval after a
+    burst is measured from its first delta: the pace over the whole burst).
+    """
+    if mark is None or incarnation > mark.incarnation:
+        return None, PaceMark(incarnation, step, now)
+    if incarnation < mark.incarnation or step <= mark.step:
+        return None, mark
+    pace = max(0.0, now - mark.at_s) / (step - mark.step)
+    if now > mark.at_s:
+        return pace, PaceMark(incarnation, step, now)
+    return pace, mark
+
+
 def credited_step_s(own: float | None, roster: Sequence[float]) -> float | None:
     """The step time a learner is credited with when its step count is bounded.
 
-    ``own`` is its measured step time (an average of its heartbeats),
-    ``roster`` those of every learner on the roster. Heartbeats are
-    self-reported, so a learner is never credited with more than STEP_MARGIN
-    times the roster's median pace: one claiming nanosecond steps would
-    otherwise be allowed any step count. Without its own figure a learner is
+    ``own`` is its own pace (the fastest its recent deltas showed, this one's
+    included: :func:`delta_pace`), ``roster`` the typical pace of every learner
+    on the roster (each its median). A pace is the learner's own figures, so a
+    learner is never credited with more than STEP_MARGIN times the roster's
+    median pace: one whose steps advance a million between two deltas would
+    otherwise be allowed any step count. The roster's figures are medians, not
+    fastest paces, so that the bursts every learner sends after an outage do
+    not lift that cap for everyone. Without its own figure a learner is
     credited with the median; None when nothing is known at all.
     """
     median = statistics.median(roster) if roster else None
@@ -74,10 +124,15 @@ def max_steps(elapsed_s: float, step_s: float | None, step_floor: int) -> float:
 
     A learner counts ``c_steps`` from when it applied its base version, which
     is after the syncer published it, so the steps fit into the time since
-    publication; STEP_MARGIN leaves room for a learner faster than its average.
+    publication: ``step_floor + STEP_MARGIN * elapsed_s / step_s``. STEP_MARGIN
+    leaves room for a learner faster than its measured pace. Pace unknown
+    (None): the floor. A pace of 0 (a burst, with nothing on the roster to
+    cap it): no bound.
     """
-    if step_s is None or not step_s > 0:
+    if step_s is None or math.isnan(step_s):
         return float(step_floor)
+    if step_s <= 0:
+        return math.inf
     return step_floor + STEP_MARGIN * max(0.0, elapsed_s) / step_s
 
 
@@ -93,7 +148,8 @@ def check_report(
 
     ``base_published_s`` and ``wall_s`` are the syncer's wall clock (seconds)
     when the delta's base version was published and now; ``step_s`` is the
-    step time credited to the learner (:func:`credited_step_s`).
+    step time credited to the learner for this delta (:func:`credited_step_s`
+    of the pace its deltas, this one included, show).
     """
     # Incarnations are the learner's start time in ns: one from the future
     # would make every later delta of the real learner look like a replay.

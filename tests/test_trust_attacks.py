@@ -21,7 +21,7 @@ from broker.wire.messages import Delta
 from syncer.config import OuterConfig
 from syncer.fragment_state import ACCEPTED, DUPLICATE, FragmentState
 from syncer.quorum import Roster
-from syncer.trust import ReportLimits, credited_step_s
+from syncer.trust import ReportLimits
 from tests.syncer_settings import syncer_settings
 
 torch.set_num_threads(1)
@@ -111,17 +111,22 @@ def test_forged_step_count_cannot_hide_a_huge_delta() -> None:
     assert np.linalg.norm(state.weights.double().numpy() - W0) < 1.01 * H
 
 
-def test_forged_step_time_cannot_buy_a_step_count() -> None:
-    """Attack: a learner on the roster reports nanosecond steps in its heartbeats,
-    to be credited with any step count. It is credited with at most twice the
+def test_forged_step_advances_cannot_buy_a_step_count() -> None:
+    """Attack: a learner on the roster makes its pace look like nanosecond steps,
+    the steps of its deltas advancing a million between two deltas 0.5 s
+    apart (before, heartbeats reporting such step times did it), to be
+    credited with any step count. It is credited with at most twice the
     roster's median pace, so its claim of 10^6 steps is still refused."""
     roster = Roster(4, 5.0, now=0.0)
-    for name, step_time in (("h0", 0.5), ("h1", 0.5), ("h2", 0.5), ("x", 1e-9)):
+    for name in ("h0", "h1", "h2", "x"):
         roster.join(name, 0.0)
-        roster.heard(name, 0.1, step_time)
-    times = roster.step_times()
-    credited = credited_step_s(times["x"], list(times.values()))
-    assert credited == 0.25  # half the median of 0.5, 0.5, 0.5 and 1e-9
+    for i in range(1, 9):  # deltas every 0.5 s: one step each (h), a million (x)
+        for name in ("h0", "h1", "h2"):
+            roster.paced(name, 1, i, T0 + 0.5 * i)
+        roster.paced("x", 1, 10**6 * i, T0 + 0.5 * i)
+    assert roster.pace_times()["x"] == pytest.approx(5e-7)
+    credited = roster.credited_step_s("x")
+    assert credited == 0.25  # half the median of 0.5, 0.5, 0.5 and 5e-7
     state = FragmentState(0, torch.tensor(W0, dtype=torch.float32), *params(), published_s=T0)
     big = -1000 * H * direction(0)
     assert send(state, "x", 1, big, c_steps=10**6, step_s=credited) == "too_many_steps"

@@ -48,7 +48,7 @@ def test_margin_is_two() -> None:
         (0.0, 0.5, 24),  # just published: the floor
         (-3.0, 0.5, 24),  # a clock step backwards never lowers the floor
         (10.0, None, 24),  # pace unknown: the floor
-        (10.0, 0.0, 24),
+        (10.0, 0.0, float("inf")),  # a burst with no roster pace to cap it: no bound
         (3600.0, 2.0, 24 + 3600),
     ],
 )
@@ -84,7 +84,9 @@ def test_check_report(d: Delta, age_s: float, step_s: float | None, reason: str 
         (None, [0.2, 0.4, 0.6], 0.4),  # a newcomer: the roster's median pace
         (0.5, [0.2, 0.4, 0.5], 0.5),  # slower than the median: its own
         (0.25, [0.25, 0.4, 0.6], 0.25),  # faster, within the margin: its own
-        (1e-9, [1e-9, 0.4, 0.6], 0.2),  # claims nanosecond steps: median / margin
+        (1e-9, [1e-9, 0.4, 0.6], 0.2),  # steps a million apart: median / margin
+        (0.0, [0.4, 0.4, 0.6], 0.2),  # a burst (0 s between deltas): median / margin
+        (0.0, [], 0.0),  # a burst, nothing to cap it: no bound (max_steps)
     ],
 )
 def test_credited_step_s(own: float | None, roster: list[float], expected: float | None) -> None:
