@@ -21,6 +21,7 @@ from broker.identity.tls import REDIS_CERT, REDIS_KEY, TLS_CA, issue_redis_cert,
 from broker.redis.access import (
     JOIN_USER,
     join_password,
+    lock_down_if_open,
     member_password,
     member_user,
     password_digest,
@@ -61,6 +62,24 @@ def tls_server(tmp_path: Path, keys_dir: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.mark.integration
+def test_an_open_tls_redis_is_locked_down_over_the_runs_ca(
+    tls_server: RedisServer, keys_dir: Path
+) -> None:
+    """A TLS Redis that takes anyone (its default user on, no password) gets the
+    run's users and its default user off: the check dials it trusting the
+    run's CA, as every other connection of the run does."""
+    admin = tls_server.client()
+    admin.execute_command("ACL", "SETUSER", "default", "on", "nopass", "~*", "&*", "+@all")
+    assert redis.Redis.from_url(tls_server.url, ssl_ca_certs=str(keys_dir / TLS_CA)).ping()
+    assert lock_down_if_open(tls_server.url, 5.0, RunKeys.load(keys_dir, "syncer"))
+    anyone = redis.Redis.from_url(tls_server.url, ssl_ca_certs=str(keys_dir / TLS_CA))
+    with pytest.raises(redis.AuthenticationError):
+        anyone.ping()
+    assert not lock_down_if_open(tls_server.url, 5.0, RunKeys.load(keys_dir, "syncer"))
+    admin.close()
 
 
 def served_serial(server: RedisServer, keys_dir: Path) -> int:

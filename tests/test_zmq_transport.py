@@ -248,9 +248,8 @@ def test_backpressure_while_no_syncer_then_resend_after_it_starts(tmp_path: Path
 
             wait_until(delivered, 20, what="all deltas acknowledged")
             assert sorted(got) == list(range(1, 9))
-            # The heartbeat sent to nobody goes again ahead of the deltas: its
-            # step time is what bounds their step counts at the syncer.
-            assert isinstance(arrivals[0], Heartbeat) and arrivals[0].step == 9
+            # Heartbeats are liveness only: the one sent to nobody is not owed.
+            assert not any(isinstance(m, Heartbeat) and m.step == 9 for m in arrivals)
         finally:
             syncer.close()
     finally:

@@ -145,7 +145,7 @@ def lock_down_if_open(url: str, socket_timeout_s: float, keys: RunKeys) -> bool:
     default user off; whether it did. A server started with ``--aclfile
     KEYS/redis.acl`` is never open, and keeps its users across restarts."""
     assert keys.redis_password is not None, "a syncer's keys"
-    client = connect(url, socket_timeout_s)
+    client = connect(url, socket_timeout_s, keys)  # rediss: checked against the run's CA
     try:
         client.ping()
         users = [line.split()[1:] for line in acl_file(keys.redis_password, keys.join_secret)]
@@ -155,8 +155,7 @@ def lock_down_if_open(url: str, socket_timeout_s: float, keys: RunKeys) -> bool:
     except redis.AuthenticationError:
         return False  # not open: it asks for a password
     except (redis.ResponseError, redis.ConnectionError) as e:
-        # Not up (the syncer's own connection retries), it refused a SETUSER, or
-        # (rediss://) its certificate is not checked against the run's CA here.
+        # Not up (the syncer's own connection retries), or it refused a SETUSER.
         log.warning(
             "redis at %s: not checked whether it takes anyone, so not given the run's "
             "users (%s); a server started with --aclfile %s needs neither",

@@ -96,8 +96,7 @@ class RedisLearnerTransport(LearnerTransport):
         self.options = options
         self.max_message_bytes = max_message_bytes
         super().__init__()
-        self.heartbeats_dropped = 0  # superseded by a newer one before Redis took them
-        self._unwritten_heartbeat: bytes | None = None
+        self.heartbeats_dropped = 0  # not written: Redis was away (the next one will be)
         # Our key is our Redis password's digest (docs/security.md), with keys or not.
         password = member_password((identity or Identity.new()).secret)
         self.key = password_digest(password)
@@ -234,42 +233,25 @@ class RedisLearnerTransport(LearnerTransport):
     # -- deltas and heartbeats ----------------------------------------------
     def send_delta(self, delta: Delta) -> None:
         self._act_as_learner()
-        self._write_heartbeat()
         self._deltas.send(delta)
 
     def send_heartbeat(self, heartbeat: Heartbeat) -> None:
-        """Write ``heartbeat``; while Redis is away the newest one is kept (an
-        older one kept is dropped) and written ahead of the queued deltas."""
+        """Write ``heartbeat`` (liveness only); while Redis is away it is dropped,
+        counted, and the next one says the same."""
         if heartbeat.run_id != self.run_id or heartbeat.learner_id != self.learner_id:
             raise ConfigError("heartbeat of another run or learner")
         frame = encode_bounded(heartbeat, self.max_message_bytes)
         self._act_as_learner()
-        if self._unwritten_heartbeat is not None:
-            self.heartbeats_dropped += 1
-        self._unwritten_heartbeat = frame
-        self._write_heartbeat()
-
-    def _write_heartbeat(self) -> None:
-        """Write the heartbeat kept, if any, unless Redis is away.
-
-        It goes ahead of every queued delta: the step time it reports is what
-        bounds those deltas' step counts at the syncer. Deltas queued while this
-        learner waits for its admission, sent in a burst without it, would meet
-        the bare floor of steps and be refused (too_many_steps)."""
-        frame = self._unwritten_heartbeat
-        if frame is None or not self._link.attempt(
+        written = self._link.attempt(
             lambda: self._link.client.set(
                 heartbeat_key(self.run_id, self.learner_id), frame, ex=HEARTBEAT_TTL_S
             )
-        ):
+        )
+        if not written:
+            self.heartbeats_dropped += 1
             return
-        self._unwritten_heartbeat = None
         self.stats.bytes_sent += len(frame)
         self.stats.messages_sent += 1
-
-    def _send_queued(self) -> None:
-        self._write_heartbeat()
-        self._deltas.send_queued()
 
     @property
     def unacked(self) -> int:
@@ -281,7 +263,7 @@ class RedisLearnerTransport(LearnerTransport):
         self._enroll()
         deadline = time.monotonic() + max(0.0, timeout_s)
         # Queued deltas go out ahead of every read: poll() is what resends them.
-        return self._link.retry(deadline, self._globals.read, before=self._send_queued)
+        return self._link.retry(deadline, self._globals.read, before=self._deltas.send_queued)
 
     def resync(self, fragment: int) -> None:
         if 0 <= fragment < self.num_fragments:

@@ -57,9 +57,6 @@ from broker.wire.messages import Delta, GlobalFragment, Heartbeat, Refusal
 log = logging.getLogger(__name__)
 
 _HEARTBEAT_READ_INTERVAL_S = 0.25
-# For deltas of a learner no heartbeat was read of: sooner, still bounded for a
-# sender that never writes one.
-_UNHEARD_READ_INTERVAL_S = 0.01
 _ROSTER_READ_INTERVAL_S = 1.0
 # A heartbeat frame is a few hundred bytes: more is read of none.
 MAX_HEARTBEAT_BYTES = 4096
@@ -275,17 +272,11 @@ class RedisSyncerTransport(SyncerTransport):
         items += self._deltas.read_own_pending()
         # New entries: waiting for them only when nothing else came.
         items += self._deltas.read_new(0.0 if items else deadline, self._max_block_s)
-        # A learner's first deltas can wake this read before any heartbeat of it was
-        # read (heartbeats are read before blocking, every 0.25 s): read them again
-        # now, so that its pace, not the floor, bounds those deltas' step counts.
-        senders = {i.message.learner_id for i in items if isinstance(i.message, Delta)}
-        if not self._roster.heard_all(senders):
-            items = self._heartbeats(_UNHEARD_READ_INTERVAL_S) + items
         self._deltas.hand_out()
         return items
 
-    def _heartbeats(self, interval_s: float = _HEARTBEAT_READ_INTERVAL_S) -> list[Inbound]:
-        items = self._roster.read(self._learners.ids, interval_s)
+    def _heartbeats(self) -> list[Inbound]:
+        items = self._roster.read(self._learners.ids, _HEARTBEAT_READ_INTERVAL_S)
         if self._admission is not None:
             self._admission.heard([cast(Heartbeat, i.message).learner_id for i in items])
         return items
@@ -420,10 +411,6 @@ class HeartbeatRoster:
         self._stats = stats
         self._frames: dict[str, bytes] = {}  # learner id -> the frame last read
         self._last_read_at = -math.inf
-
-    def heard_all(self, learner_ids: set[str]) -> bool:
-        """Whether a heartbeat of each of ``learner_ids`` was read."""
-        return not learner_ids - self._frames.keys()
 
     def read(self, learner_ids: list[str], interval_s: float) -> list[Inbound]:
         """Heartbeats of ``learner_ids`` that changed since the last read, if it

@@ -47,9 +47,7 @@ class DeltaSender:
     ) -> None:
         self._dealers = dealers
         # Sends the learner's enrollment to a syncer before each delta (one that
-        # restarted knows no key, and would drop the delta until the next one),
-        # and its newest heartbeat where that could not be sent: the heartbeat's
-        # step time is what bounds the delta's step count there.
+        # restarted knows no key, and would drop the delta until the next one).
         self._introduce = introduce
         self._learner_id = learner_id
         self._incarnation = incarnation

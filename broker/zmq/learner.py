@@ -63,8 +63,6 @@ class ZmqLearnerTransport(LearnerTransport):
         # With the run's keys: CURVE to every syncer under this process's own
         # key, enrolled with the join secret, and every global's signature checked.
         self._curve = CurveClient(keys, identity, learner_id)
-        self._heartbeat_frame = b""  # the newest
-        self._heartbeat_owed: set[int] = set()  # shards it could not be sent to yet
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         with destroyed_on_error(self._ctx):
             self._sockets = ShardSockets(
@@ -81,7 +79,7 @@ class ZmqLearnerTransport(LearnerTransport):
         self._enrollment.enroll()
         dealers = self._sockets.dealers
         self._deltas = DeltaSender(
-            dealers, learner_id, incarnation, options, self.stats, self._introduce
+            dealers, learner_id, incarnation, options, self.stats, self._enrollment.enroll_with
         )
         self._requests = SnapshotRequests(dealers, run_id, learner_id, self.stats)
         self._candidates = Candidates(
@@ -131,23 +129,10 @@ class ZmqLearnerTransport(LearnerTransport):
 
     def send_heartbeat(self, heartbeat: Heartbeat) -> None:
         self._enrollment.enroll()
-        self._heartbeat_frame = wire.encode(heartbeat)
+        frame = wire.encode(heartbeat)  # liveness only: one not sent is not owed
         for owner in range(len(self._sockets.dealers)):
-            self._send_heartbeat_to(owner)
-
-    def _send_heartbeat_to(self, owner: int) -> None:
-        if not self._sockets.send_small(owner, self._heartbeat_frame):
-            self._heartbeat_owed.add(owner)  # sent ahead of the next delta there
-            return
-        self._heartbeat_owed.discard(owner)
-        self.stats.messages_sent += 1
-
-    def _introduce(self, owner: int) -> None:
-        """Before a delta to ``owner``: our enrollment, and our newest heartbeat
-        if it could not be sent there."""
-        self._enrollment.enroll_with(owner)
-        if owner in self._heartbeat_owed:
-            self._send_heartbeat_to(owner)
+            if self._sockets.send_small(owner, frame):
+                self.stats.messages_sent += 1
 
     def resync(self, fragment: int) -> None:
         if 0 <= fragment < self.num_fragments:
