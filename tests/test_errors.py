@@ -24,6 +24,8 @@ from compose import cli
 from tests.servers import run_keys
 
 PACKAGES = ("broker", "learner", "syncer", "compose")
+
+
 def _exception_classes() -> list[type[BaseException]]:
     found: dict[str, type[BaseException]] = {}
     for package in PACKAGES:
