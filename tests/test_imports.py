@@ -1,8 +1,11 @@
-"""What a module loads: tools that handle no tensors never load torch, and no
-import cycle ties the project's modules, folders or packages together."""
+"""The code's shape: tools that handle no tensors never load torch, no import
+cycle ties the project's modules, folders or packages together, and broker/'s
+modules and the classes of broker/, learner/ and syncer/ stay small enough to
+read (one job each)."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +58,22 @@ def test_no_import_cycle_between_modules_folders_or_packages() -> None:
         [sys.executable, ".ci/import_graph.py"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+MAX_BROKER_MODULE_LINES = 500
+MAX_CLASS_LINES = 300
+
+
+def test_broker_modules_and_the_services_classes_stay_small() -> None:
+    too_long = []
+    for folder in ("broker", "learner", "syncer"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            name = path.relative_to(ROOT)
+            if folder == "broker" and len(text.splitlines()) > MAX_BROKER_MODULE_LINES:
+                too_long.append(f"{name}: {len(text.splitlines())} lines")
+            for node in ast.walk(ast.parse(text)):
+                size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+                if isinstance(node, ast.ClassDef) and size > MAX_CLASS_LINES:
+                    too_long.append(f"{name}: class {node.name}, {size} lines")
+    assert not too_long, too_long

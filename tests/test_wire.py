@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from broker.wire import messages as wire
 from broker.wire.codecs import Codec
+from broker.wire.fields import MAX_LIST_LEN
 from broker.wire.messages import (
     Ack,
     Delta,
@@ -360,7 +361,7 @@ def test_bad_delta_fields(field: str, value: Any) -> None:
         (7, "seqs", [1, True]),
         (7, "seqs", "1,2"),
         (7, "seqs", [[1]]),
-        (7, "seqs", list(range(wire.MAX_LIST_LEN + 1))),
+        (7, "seqs", list(range(MAX_LIST_LEN + 1))),
         (9, "fragments", [0.5]),
         (9, "fragments", {"0": 1}),
         (9, "held_crcs", [1]),  # one checksum per fragment asked for, or none
@@ -372,7 +373,7 @@ def test_bad_delta_fields(field: str, value: Any) -> None:
 def test_bad_fields_of_other_kinds(msg_index: int, field: str, value: Any) -> None:
     h, p = header_of(messages()[msg_index])
     assert reason(frame({**h, field: value}, p)) in ("bad_field", "bad_header")
-    if field != "seqs" or not isinstance(value, list) or len(value) <= wire.MAX_LIST_LEN:
+    if field != "seqs" or not isinstance(value, list) or len(value) <= MAX_LIST_LEN:
         assert reason(frame({**h, field: value}, p)) == "bad_field"
 
 

@@ -14,6 +14,7 @@ from broker.identity.keys import FileWatch, RunKeys
 from broker.identity.signing import GlobalSigner
 from broker.transport import MAX_LEARNER_SLOTS, Inbound, SyncerTransport, TransportStats
 from broker.wire import messages as wire
+from broker.wire.fields import MAX_LIST_LEN
 from broker.wire.messages import (
     Ack,
     Delta,
@@ -207,12 +208,12 @@ class ZmqSyncerTransport(SyncerTransport):
                 d = item.message
                 seqs[(item.token, d.learner_id, d.incarnation)].append(d.seq)
         for (identity, learner_id, incarnation), batch in seqs.items():
-            for start in range(0, len(batch), wire.MAX_LIST_LEN):
+            for start in range(0, len(batch), MAX_LIST_LEN):
                 ack = Ack(
                     run_id=self.run_id,
                     learner_id=learner_id,
                     incarnation=incarnation,
-                    seqs=batch[start : start + wire.MAX_LIST_LEN],
+                    seqs=batch[start : start + MAX_LIST_LEN],
                 )
                 self._send_to(identity, (wire.encode(ack),))
 
