@@ -14,6 +14,7 @@ import statistics
 from collections import deque
 from collections.abc import Collection
 
+from broker.errors import ConfigError, DdilocoError
 from syncer.trust import PaceMark, credited_step_s, delta_pace
 
 # Pace samples (one per accepted delta that arrived after time passed) a
@@ -31,7 +32,7 @@ class Ema:
 
     def __init__(self, alpha: float = 0.2) -> None:
         if not 0 < alpha <= 1:
-            raise ValueError(f"EMA alpha must be in (0, 1], got {alpha}")
+            raise ConfigError(f"EMA alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.value: float | None = None
 
@@ -77,11 +78,11 @@ class Round:
         ema_alpha: float = 0.2,
     ) -> None:
         if not 0 <= gamma < 1:
-            raise ValueError(f"grace gamma must be in [0, 1), got {gamma}")
+            raise ConfigError(f"grace gamma must be in [0, 1), got {gamma}")
         if not tau_steps >= 0:  # also refuses NaN
-            raise ValueError(f"tau must be >= 0, got {tau_steps}")
+            raise ConfigError(f"tau must be >= 0, got {tau_steps}")
         if not absent_wait_s >= 0:
-            raise ValueError(f"absent wait must be >= 0, got {absent_wait_s}")
+            raise ConfigError(f"absent wait must be >= 0, got {absent_wait_s}")
         self.absent_wait_s = absent_wait_s
         self.gamma = gamma
         self.tau_steps = tau_steps
@@ -103,7 +104,7 @@ class Round:
     def quorum_at(self, quorum: int) -> float | None:
         """When the K-th distinct learner reported, or None before."""
         if quorum < 1:
-            raise ValueError(f"quorum must be >= 1, got {quorum}")
+            raise ConfigError(f"quorum must be >= 1, got {quorum}")
         times = sorted(self.arrivals.values())
         return times[quorum - 1] if len(times) >= quorum else None
 
@@ -185,7 +186,7 @@ class Roster:
         ema_alpha: float = 0.1,
     ) -> None:
         if cap < 1:
-            raise ValueError(f"roster cap must be >= 1, got {cap}")
+            raise ConfigError(f"roster cap must be >= 1, got {cap}")
         self.cap = cap
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.ema_alpha = ema_alpha
@@ -236,7 +237,7 @@ class Roster:
         if learner not in self.members and len(self.members) >= self.cap:
             evicted = self._evictable(now)
             if evicted is None:
-                raise ValueError(f"roster full ({self.cap}): {learner} cannot join")
+                raise DdilocoError(f"roster full ({self.cap}): {learner} cannot join")
             self.members.discard(evicted)
             self.last_heard.pop(evicted, None)
             self.last_delta.pop(evicted, None)

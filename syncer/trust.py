@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from broker.errors import ConfigError
 from broker.wire.messages import Delta
 
 # How much faster than its measured pace a learner may seem to have trained.
@@ -183,7 +184,7 @@ class TypicalSize:
 
     def __init__(self, window: int, factor: float, values: Iterable[float] = ()) -> None:
         if window < 1 or not factor > 1:
-            raise ValueError(f"need window >= 1 and factor > 1, got {window} and {factor}")
+            raise ConfigError(f"need window >= 1 and factor > 1, got {window} and {factor}")
         self.window = window
         self.factor = factor
         self.values: deque[float] = deque(values, maxlen=window)

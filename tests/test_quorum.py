@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from broker.errors import DdilocoError
 from syncer.quorum import Ema, Roster, Round, grace_window_s
 
 NAN = float("nan")
@@ -233,7 +234,7 @@ def test_step_times_are_capped_at_the_timeout_and_the_median_resists_one_liar() 
 def test_a_full_roster_admits_a_newcomer_only_in_place_of_a_silent_member() -> None:
     roster = roster_of("a", "b", cap=2)
     assert not roster.admits("c", 1.0)
-    with pytest.raises(ValueError, match="roster full"):
+    with pytest.raises(DdilocoError, match="roster full"):
         roster.join("c", 1.0)
     roster.heard("a", 4.0)
     # b was silent since 0: at 5.0 it is not yet past the timeout, at 5.1 it is.
