@@ -12,12 +12,13 @@ import zmq
 
 from broker.errors import TransportError
 from broker.identity.keys import Identity, RunKeys
-from broker.redis.access import SYNCER_USER, lock_down_if_open
+from broker.redis.access import lock_down_if_open
 from broker.redis.learner import RedisLearnerTransport
 from broker.redis.link import connect
 from broker.redis.options import RedisOptions
 from broker.redis.shards import Fence, ShardLease
 from broker.redis.syncer import RedisSyncerTransport
+from broker.redis.users import SYNCER_USER
 from broker.transport import MAX_LEARNER_SLOTS, LearnerTransport, SyncerTransport
 from broker.url import BrokerUrl, parse_url, shown
 from broker.zmq.addressing import shard_endpoint

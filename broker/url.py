@@ -2,6 +2,8 @@
 
     zmq://host:port[,host:port...][?option=value&...]
     redis://[user:password@]host:port/db[?option=value&...]    (also rediss://, unix://)
+    redis+sentinel://[user:password@]host:port[,host:port...]/service[/db][?option=value&...]
+                                                  (also rediss+sentinel://: a Redis that fails over)
 
 The options are the fields of the backend's options dataclass
 (:class:`~broker.zmq.options.ZmqOptions`, :class:`~broker.redis.options.RedisOptions`;
@@ -18,9 +20,11 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 from broker.errors import ConfigError
 from broker.options import option_names, options_from_query
 from broker.redis.options import REDIS_PY_TIMEOUTS, RedisOptions
+from broker.redis.sentinel import SCHEMES as SENTINEL_SCHEMES
+from broker.redis.sentinel import parse_sentinel_url
 from broker.zmq.options import ZmqOptions
 
-SCHEMES = ("zmq", "redis", "rediss", "unix")
+SCHEMES = ("zmq", "redis", "rediss", "unix", *SENTINEL_SCHEMES)
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ def parse_url(url: str) -> BrokerUrl:
     if parts.scheme not in SCHEMES:
         raise ConfigError(
             f"url={url!r}: use zmq://HOST:PORT[,HOST:PORT], redis://HOST:PORT/DB, "
-            "rediss://... or unix://..."
+            "rediss://..., unix://... or redis+sentinel://HOST:PORT[,HOST:PORT]/SERVICE"
         )
     backend = "zmq" if parts.scheme == "zmq" else "redis"
     cls: type[ZmqOptions] | type[RedisOptions] = ZmqOptions if backend == "zmq" else RedisOptions
@@ -55,15 +59,24 @@ def parse_url(url: str) -> BrokerUrl:
             raise ConfigError(f"url={url!r}: use socket_timeout_s instead of {key}")
         else:
             theirs.append((key, value))
+    sentinel = parts.scheme in SENTINEL_SCHEMES
+    if sentinel and theirs:
+        raise ConfigError(f"url={url!r}: unknown option(s) {[k for k, _ in theirs]} of a "
+                          f"sentinel url; known: {sorted(known)}")  # fmt: skip
+    given = frozenset(ours)
+    if sentinel:
+        # A write counts as done once a replica holds it: a failover loses none.
+        ours.setdefault("wait_replicas", "1")
     try:
         options = options_from_query(cls, ours)
     except ConfigError as e:
         raise ConfigError(f"url={url!r}: {e}") from None
-    given = frozenset(ours)
     if backend == "redis":
         # Rebuilt from the text, not urlunsplit: that would turn unix:///path
         # into unix:/path, which redis-py refuses.
         base = url.split("#", 1)[0].split("?", 1)[0]
+        if sentinel:
+            parse_sentinel_url(base)  # checked here, where a bad URL is said
         redis_url = base + ("?" + urlencode(theirs) if theirs else "")
         return BrokerUrl(backend, (redis_url,), options, given)
     endpoints = []

@@ -14,7 +14,11 @@ is flushed, as in a real crash. Who brings it back:
 With ``--lose-state`` a syncer's crash is the loss of its host: its
 checkpoint folder is deleted right after the kill, before it comes back (a
 container's shard folder in the checkpoint volume, through a throwaway
-container of its image; a local syncer's ``checkpoint/``).
+container of its image; a local syncer's ``checkpoint/``); so is a Redis
+server's data folder (``/data``).
+
+Target ``redis-primary`` (compose.sentinel.yaml) crashes whichever Redis
+server is the primary now (it answers ROLE ``master``); ``redis`` either server.
 
 Every kill, restart and refusal is one JSON line on stdout (and appended to
 ``--events``). Crashes arrive as a Poisson process with mean gap ``mtbf_s``;
@@ -43,7 +47,9 @@ from broker.errors import ConfigError, DdilocoError
 log = logging.getLogger(__name__)
 
 ROLES = ("learner", "syncer", "redis")
-TARGETS = (*ROLES, "any")
+PRIMARY = "redis-primary"  # the Redis server that is the primary now
+TARGETS = (*ROLES, PRIMARY, "any")
+REDIS_SERVICES = ("redis", "redis-replica")  # compose.sentinel.yaml's two servers
 PROCESSES_FILE = "processes.json"  # written by the ddiloco local launcher: name -> pid
 CHAOS_FILE = "chaos.jsonl"  # the kills chaos made in a local run folder
 _POLL_S = 0.2
@@ -51,7 +57,7 @@ _POLL_S = 0.2
 
 @dataclass
 class ChaosConfig:
-    target: str = "learner"  # what crashes: learner, syncer, redis or any of them
+    target: str = "learner"  # what crashes: learner, syncer, redis, redis-primary or any
     mtbf_s: float = 60.0  # mean seconds between crashes (Poisson, over all targets)
     restart_s: float = 10.0  # a killed compose container is started again after this
     duration_s: float = 300.0  # stop after this many seconds; 0: until interrupted
@@ -60,8 +66,9 @@ class ChaosConfig:
     project: str = "ddiloco"  # the compose project or swarm stack whose containers crash
     local: str | None = None  # a ddiloco local run folder: crash its processes instead
     events: str | None = None  # also append the JSON events to this file
-    # A syncer's crash takes its host's disk too: its checkpoint folder is
-    # deleted before it comes back (it then rebuilds from Redis, docs/design.md).
+    # A syncer's or Redis server's crash takes its host's disk too: its checkpoint
+    # or data folder is deleted before it comes back (a syncer then rebuilds
+    # from Redis, docs/design.md; a server syncs from the primary).
     lose_state: bool = False
 
     def __post_init__(self) -> None:
@@ -119,7 +126,7 @@ class Targets(Protocol):
 
     def kill(self, name: str, lose_state: bool) -> dict[str, Any]:
         """SIGKILL ``name``'s main process (and, ``lose_state``, delete a syncer's
-        checkpoint folder); what to record about it."""
+        checkpoint folder or a Redis server's data); what to record about it."""
 
     def restart(self, name: str) -> str | None:
         """Bring ``name`` back if chaos is the one to; who does (for the log)."""
@@ -213,6 +220,8 @@ class DockerTargets:
         service = labels.get("com.docker.compose.service") or labels.get(
             "com.docker.swarm.service.name", ""
         ).removeprefix(f"{self.project}_")
+        if service in REDIS_SERVICES:
+            return "redis"
         return service if service in ROLES else None
 
     def running(self, roles: tuple[str, ...]) -> dict[str, str]:
@@ -221,7 +230,20 @@ class DockerTargets:
             role = self.role(c)
             if role in roles:
                 out[c.name] = role
+            elif PRIMARY in roles and role == "redis" and self._is_primary(c):
+                out[c.name] = PRIMARY
         return out
+
+    @staticmethod
+    def _is_primary(c: Any) -> bool:
+        """Whether Redis server ``c`` answers ROLE as the primary (asked as the
+        servers' user, whose password the sentinel profile gives it)."""
+        ask = (
+            "redis-cli --tls --cacert /tls/tls.ca.crt --user ddiloco-sentinel "
+            '--pass "$(cat /tls/redis.sentinel)" --no-auth-warning --raw ROLE | head -n 1'
+        )
+        code, out = c.exec_run(["sh", "-c", ask], user="redis")
+        return code == 0 and out.decode(errors="replace").strip() == "master"
 
     def kill(self, name: str, lose_state: bool) -> dict[str, Any]:
         c = self.client.containers.get(name)
@@ -233,13 +255,23 @@ class DockerTargets:
             "role": self.role(c),
         }
         if lose_state and record["role"] == "syncer":
-            record["lost_state"] = self._delete_checkpoint(c)
+            record["lost_state"] = self._delete(c, self._checkpoint_folder(c))
+        elif lose_state and record["role"] == "redis":
+            record["lost_state"] = self._delete(c, "/data")
         return record
 
-    def _delete_checkpoint(self, c: Any) -> str:
-        """Delete the dead syncer container ``c``'s shard folder of its checkpoint
-        volume (shared with the other shards' replicas), from a throwaway
-        container of its image with its volumes; the folder deleted."""
+    def _delete(self, c: Any, folder: str) -> str:
+        """Delete what the dead container ``c`` holds in ``folder`` (of a volume),
+        from a throwaway container of its image with its volumes; the folder."""
+        self.client.containers.run(
+            c.image.id, entrypoint=["sh", "-c", f'rm -rf "{folder}"/* "{folder}"/.lock'],
+            volumes_from=[c.id], user="0", remove=True, network_mode="none",
+        )  # fmt: skip
+        return folder
+
+    def _checkpoint_folder(self, c: Any) -> str:
+        """The dead syncer container ``c``'s shard folder of its checkpoint volume
+        (shared with the other shards' replicas)."""
         # An entry without "=" is a variable passed through unset.
         env = dict(e.partition("=")[::2] for e in c.attrs["Config"]["Env"] or [])
         folder = env.get("DDILOCO_CHECKPOINT_DIR") or "syncer-checkpoint"
@@ -248,10 +280,6 @@ class DockerTargets:
         found = re.findall(r"shard (\d+) of (\d+), owns fragments", logs)
         if found and int(found[-1][1]) > 1:
             folder = f"{folder}/shard-{found[-1][0]}"
-        self.client.containers.run(
-            c.image.id, entrypoint=["sh", "-c", f'rm -rf "{folder}"/* "{folder}"/.lock'],
-            volumes_from=[c.id], user="0", remove=True, network_mode="none",
-        )  # fmt: skip
         return folder
 
     def restart(self, name: str) -> str | None:

@@ -58,17 +58,19 @@ THROTTLE_ACTIONS = {
 }
 
 
-KEY_ACTIONS = ("make", "revoke", "rotate", "rotate-curve", "rotate-tls", "acl")
+KEY_ACTIONS = ("make", "revoke", "rotate", "rotate-curve", "rotate-tls", "acl", "sentinel")
 
 
-def run_keys(action: str, folder: str, learner_id: str | None, force: bool) -> int:
+def run_keys(args: argparse.Namespace) -> int:
     """``ddiloco keys``: make a run's key folder, revoke a learner (syncers shut
     it out within a second, no restart), rotate the signing key or the syncers'
-    CURVE key, issue the Redis server a new TLS certificate, or write its
-    ``redis.acl`` again."""
+    CURVE key, issue the Redis server a new TLS certificate, write its
+    ``redis.acl`` again, or write a Sentinel's configuration."""
     from broker.identity import keys, tls
     from broker.redis.access import write_acl_file
     from broker.run.key_folder import make_keys
+
+    action, folder, learner_id, force = args.action, args.keys, args.learner_id, args.force
 
     if action == "make":
         out = make_keys(folder, overwrite=force)
@@ -91,6 +93,18 @@ def run_keys(action: str, folder: str, learner_id: str | None, force: bool) -> i
     elif action == "acl":
         path = write_acl_file(folder)
         print(f"{path} written again; restart Redis with --aclfile {path} to load it")
+    elif action == "sentinel":
+        from broker.files import write_private
+        from broker.redis.sentinel import SENTINEL_CONF, sentinel_conf
+
+        host, _, port = args.primary.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--primary {args.primary!r}: give HOST:PORT")
+        write_acl_file(folder)  # with the servers' user, which the Sentinels use
+        path = Path(folder) / SENTINEL_CONF
+        text = sentinel_conf(folder, (host, int(port)), args.sentinel_port, args.files)
+        write_private(path, text)
+        print(f"{path} (0600: it holds the servers' password) for Sentinels watching {host}:{port}")
     else:
         hosts = tls.issue_redis_cert(Path(folder))
         print(
@@ -129,15 +143,30 @@ def _config_class(command: str) -> type:
 
 def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
     if command == "keys":
+        from broker.redis.sentinel import DEFAULT_SENTINEL_PORT
+
         parser.add_argument(
             "action", nargs="?", default="make", choices=KEY_ACTIONS,
             help="make the keys; revoke LEARNER_ID; rotate the signing key; rotate-curve the "
             "syncers' CURVE key; rotate-tls the Redis server's certificate; acl: write "
-            "redis.acl again (a folder made by an earlier release)",
+            "redis.acl again (a folder made by an earlier release); sentinel: write "
+            "sentinel.conf, a Sentinel's configuration (docs/transports.md)",
         )  # fmt: skip
         parser.add_argument("learner_id", nargs="?", help="revoke: the learner to shut out")
         parser.add_argument("--keys", default=DEFAULT_KEYS_DIR, help="the run's key folder")
         parser.add_argument("--force", action="store_true", help="make: replace existing keys")
+        parser.add_argument(
+            "--primary", default="redis:6379",
+            help="sentinel: HOST:PORT of the primary a new run starts with",
+        )  # fmt: skip
+        parser.add_argument(
+            "--sentinel-port", type=int, default=DEFAULT_SENTINEL_PORT,
+            help="sentinel: the port it listens on",
+        )  # fmt: skip
+        parser.add_argument(
+            "--files", default="/tls",
+            help="sentinel: the folder the Sentinel reads the run's certificate from",
+        )  # fmt: skip
         return
     from broker.cli_config import add_dataclass_args
 
@@ -182,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.log_level)
     try:
         if args.command == "keys":
-            return run_keys(args.action, args.keys, args.learner_id, args.force)
+            return run_keys(args)
         return _run(args)
     except (DdilocoError, OSError) as e:
         # What a user can fix (a bad value, a port in use, a path that is a file):

@@ -24,13 +24,6 @@ import torch
 import zmq
 
 from broker.identity.keys import Identity, RunKeys, enroll_proof
-from broker.redis.access import (
-    JOIN_USER,
-    join_password,
-    member_password,
-    member_user,
-    password_digest,
-)
 from broker.redis.frames import FIELD
 from broker.redis.names import (
     delta_stream_key,
@@ -40,6 +33,13 @@ from broker.redis.names import (
     notices_key,
     requests_key,
     roster_key,
+)
+from broker.redis.users import (
+    JOIN_USER,
+    join_password,
+    member_password,
+    member_user,
+    password_digest,
 )
 from broker.wire import messages as wire
 from broker.wire.codecs import Codec

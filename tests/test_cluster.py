@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from broker.identity.keys import REDIS_SYNCER
-from broker.redis.access import SYNCER_USER
+from broker.redis.users import SYNCER_USER
 from broker.run.key_folder import make_keys
 from broker.run.settings import default_quorum
 from compose.throttle import parse_rate

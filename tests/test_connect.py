@@ -263,7 +263,6 @@ def test_redis_option_of_the_wrong_type(url: str, message: str) -> None:
         "tcp://127.0.0.1:5555",
         "http://h:1",
         "kafka://broker:9092",
-        "redis+sentinel://h:26379",
         "ZMQ-x://h:5555",
     ],
 )

@@ -30,10 +30,10 @@ from torch.nn.parallel import DistributedDataParallel
 from broker.errors import ConfigError
 from broker.fragments import FragmentPlan, synced_parameters
 from broker.identity.keys import RunKeys
-from broker.redis.access import SYNCER_USER
 from broker.redis.frames import FIELD
 from broker.redis.names import changes_key, globals_stream_key, model_key
 from broker.redis.server import RedisServer, free_port
+from broker.redis.users import SYNCER_USER
 from broker.run.initial_model import write_initial_model
 from broker.run.settings import RunSettings
 from broker.wire.codecs import Codec

@@ -17,15 +17,15 @@ import redis
 from cryptography import x509
 
 from broker.identity.keys import Identity, RunKeys, revoke
-from broker.identity.tls import REDIS_CERT, REDIS_KEY, TLS_CA, issue_redis_cert, redis_cert_hosts
-from broker.redis.access import (
-    JOIN_USER,
-    join_password,
-    lock_down_if_open,
-    member_password,
-    member_user,
-    password_digest,
+from broker.identity.tls import (
+    DEFAULT_REDIS_HOSTS,
+    REDIS_CERT,
+    REDIS_KEY,
+    TLS_CA,
+    issue_redis_cert,
+    redis_cert_hosts,
 )
+from broker.redis.access import lock_down_if_open
 from broker.redis.frames import check_entry
 from broker.redis.learner import RedisLearnerTransport
 from broker.redis.names import (
@@ -40,6 +40,13 @@ from broker.redis.names import (
 )
 from broker.redis.server import RedisServer
 from broker.redis.syncer import RedisSyncerTransport
+from broker.redis.users import (
+    JOIN_USER,
+    join_password,
+    member_password,
+    member_user,
+    password_digest,
+)
 from broker.run.key_folder import make_keys
 from broker.transport import TransportError, TransportStats
 from broker.wire.messages import Delta, Heartbeat, decode
@@ -213,7 +220,7 @@ def test_a_server_of_another_ca_or_the_clear_is_refused(
         plain.ping()
     # A certificate for a host the client did not dial is refused too.
     hosts = redis_cert_hosts(keys_dir)
-    assert set(hosts) == {"localhost", "127.0.0.1", "::1", "redis"}
+    assert set(hosts) == set(DEFAULT_REDIS_HOSTS)
     issue_redis_cert(keys_dir, ("elsewhere.example",))
     reload_tls(tls_server, keys_dir)
     with pytest.raises(redis.ConnectionError):

@@ -45,6 +45,7 @@ from learner.model import ModelConfig
 from learner.workload import write_initial
 from syncer.checkpoint import load_fragment, read_changes
 from syncer.config import CRASH_POINTS, SyncerConfig
+from tests.failover import FailoverRedis
 from tests.servers import run_keys, wait_until
 
 pytestmark = pytest.mark.integration
@@ -526,6 +527,69 @@ def test_redis_killed_at_a_pipeline_boundary_loses_nothing_and_freezes_no_fragme
         p: g.version for p, g in learners.latest.items()
     }
     assert "NOPERM" not in (server.workdir / "redis.log").read_text()
+
+
+@pytest.fixture
+def failover_redis(tmp_path: Path) -> Iterator[FailoverRedis]:
+    """A primary, a replica and three Sentinels, as compose.sentinel.yaml runs them."""
+    cluster = FailoverRedis(tmp_path / "redis", Path(run_keys()))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_lost_redis_primary_fails_over_and_the_run_loses_nothing(
+    tmp_path: Path, failover_redis: FailoverRedis
+) -> None:
+    """The primary's host is lost (SIGKILL, its data deleted) while the syncer
+    stands between publishing a round and acknowledging its deltas; it comes
+    back empty 3 s later. The Sentinels promote the replica, the syncer and the
+    learners follow it, the old primary comes back as its replica: nothing any
+    learner delivered is lost, nothing merged twice, every round goes on, and
+    a joiner reads each fragment's latest version."""
+    cluster = failover_redis
+    write_initial_model(tmp_path)
+    syncer = SyncerProcess(tmp_path, cluster.url)
+    syncer.start("--pause-at", "before_ack")
+    learners = TwoLearners(cluster.url, syncer)
+    killed_at: list[float] = []
+
+    def keep_going() -> bool:
+        assert syncer.proc is not None and syncer.returncode() is None
+        if not killed_at and stopped(syncer.proc.pid):
+            cluster.kill("a", lose_data=True)
+            killed_at.append(time.monotonic())
+            syncer.proc.send_signal(signal.SIGCONT)
+        if len(killed_at) == 1 and time.monotonic() > killed_at[0] + 3:
+            cluster.start_node("a")  # an empty host: it must not come back as the primary
+            killed_at.append(time.monotonic())
+        learners.turn()
+        return True
+
+    try:
+        play_to_the_end(learners, keep_going)
+        assert cluster.wait_settled() == "b"
+        joiner = connect_learner(
+            cluster.url, run_id="faults", learner_id="joiner", incarnation=1,
+            num_fragments=FRAGMENTS, keys=RunKeys.load(run_keys(), "learner"),
+        )  # fmt: skip
+        try:
+            snapshot = joiner.snapshot(list(range(FRAGMENTS)), timeout_s=10)
+        finally:
+            joiner.close()
+    finally:
+        learners.close()
+        syncer.stop()
+
+    assert len(killed_at) == 2, "the syncer never paused before its ack"
+    check_applied_once(learners, 0)
+    assert {p: g.version for p, g in snapshot.items()} == {
+        p: g.version for p, g in learners.latest.items()
+    }
+    assert "as a replica" in (cluster.node_dir("a") / "node.log").read_text()
 
 
 def durable_state(directory: Path, p: int) -> tuple[torch.Tensor, dict[str, Any]] | None:

@@ -18,9 +18,9 @@ from prometheus_client import generate_latest
 
 from broker.errors import ConfigError
 from broker.identity.keys import RunKeys
-from broker.redis.access import SYNCER_USER
 from broker.redis.names import resume_key
 from broker.redis.server import RedisServer, free_port
+from broker.redis.users import SYNCER_USER
 from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
 from broker.transport import Inbound
 from broker.wire.codecs import Codec, apply_change

@@ -63,6 +63,7 @@ SIGNING_PUBLIC = "signing.pub"
 REVOKED = "revoked"
 REDIS_SYNCER = "redis.syncer"
 REDIS_ACL = "redis.acl"
+REDIS_SENTINEL = "redis.sentinel"  # the Redis servers' and Sentinels' own password
 # What each role needs to start; a missing file is named in the error.
 NEEDED = {
     "syncer": (
@@ -111,6 +112,11 @@ def _hex_bytes(folder: Path, name: str, size: int) -> bytes:
     if len(value) != size:
         raise ConfigError(f"{folder / name}: expected {2 * size} hex digits")
     return value
+
+
+def read_secret_hex(folder: Path, name: str) -> str:
+    """A 32-byte secret of the folder, as the hex it is kept in."""
+    return _hex_bytes(folder, name, 32).hex()
 
 
 def _curve_key(folder: Path, name: str) -> bytes:
@@ -163,6 +169,7 @@ def make_key_files(folder: str | Path, *, overwrite: bool = False) -> Path:
     signing = Ed25519PrivateKey.generate()
     write_private(out / JOIN_SECRET, secrets.token_bytes(32).hex() + "\n")
     write_private(out / REDIS_SYNCER, secrets.token_hex(32) + "\n")
+    write_private(out / REDIS_SENTINEL, secrets.token_hex(32) + "\n")
     write_private(out / CURVE_SECRET, curve_secret.decode() + "\n")
     write_private(out / CURVE_PUBLIC, curve_public.decode() + "\n")
     write_private(out / SIGNING_KEY, _raw_private(signing).hex() + "\n")

@@ -34,8 +34,12 @@ TLS_CA_KEY = "tls.ca.key"
 REDIS_CERT = "redis.crt"
 REDIS_KEY = "redis.key"
 # Names the Redis server is reached by unless told otherwise: this host, and
-# the compose file's service name.
-DEFAULT_REDIS_HOSTS = ("localhost", "127.0.0.1", "::1", "redis")
+# the compose files' service names (compose.sentinel.yaml's servers and
+# Sentinels show the same certificate).
+DEFAULT_REDIS_HOSTS = (
+    "localhost", "127.0.0.1", "::1", "redis", "redis-replica",
+    "sentinel-1", "sentinel-2", "sentinel-3",
+)  # fmt: skip
 _CA_DAYS = 3650
 _SERVER_DAYS = 397  # what browsers accept for a server certificate; rotate within it
 

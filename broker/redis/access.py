@@ -7,13 +7,16 @@ With the run's keys Redis runs with ``default`` off (see
                             syncers only)
     ddiloco-join            XADD to a run's requests stream, nothing else
                             (password derived from ``join.secret``)
+    ddiloco-sentinel        replication and what Sentinel does to a server
+                            (password: ``redis.sentinel``; Redis servers and
+                            Sentinels only, docs/transports.md)
     ddiloco:{run}:k:{key}   one per enrolled key, made by the admitting syncer:
                             reads the globals, the snapshot keys and its grant;
                             a learner also writes the delta streams, trimmed
                             counters and heartbeat of the learner ids bound to
                             its key, and reads their notices
 
-``ddiloco keys`` writes the first three into ``redis.acl``, the file Redis
+``ddiloco keys`` writes the first four into ``redis.acl``, the file Redis
 loads (``--aclfile``). A learner's password is derived from its own identity
 (:class:`broker.identity.keys.Identity`), and its key is the password's SHA-256: the
 digest Redis keeps (``#digest``) is all the syncer learns, so nobody but the
@@ -24,15 +27,14 @@ it cannot stall the server with a script of its own.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
+import secrets
 from pathlib import Path
 
 import redis
 
 from broker.files import write_private
-from broker.identity.keys import REDIS_ACL, RunKeys
+from broker.identity.keys import REDIS_ACL, REDIS_SENTINEL, RunKeys, read_secret_hex
 from broker.redis.link import connect
 from broker.redis.names import (
     changes_key,
@@ -46,13 +48,16 @@ from broker.redis.names import (
     trimmed_key,
     weightless_key,
 )
+from broker.redis.users import (
+    JOIN_USER,
+    SENTINEL_USER,
+    SYNCER_USER,
+    join_password,
+    password_digest,
+)
 
 log = logging.getLogger(__name__)
 
-SYNCER_USER = "ddiloco-syncer"
-JOIN_USER = "ddiloco-join"
-_JOIN_DOMAIN = b"ddiloco redis join v1\0"
-_MEMBER_DOMAIN = b"ddiloco redis member v1\0"
 # Commands of every member (redis-py's connection set-up, reads of the globals
 # and snapshot keys, the read-only scripts) and, for learners, of its writes
 # (the bounded XADD script and what it calls, its heartbeat).
@@ -62,27 +67,15 @@ _READER_COMMANDS = (
 )  # fmt: skip
 _LEARNER_COMMANDS = (
     "+evalsha", "+xadd", "+xlen", "+xtrim", "+xinfo|groups", "+xpending", "+incrby", "+set",
+    "+wait",
 )  # fmt: skip
-
-
-def join_password(join_secret: bytes) -> str:
-    """The ``ddiloco-join`` user's password: every holder of the join secret has it."""
-    return hmac.new(join_secret, _JOIN_DOMAIN, hashlib.sha256).hexdigest()
-
-
-def member_password(identity_secret: bytes) -> str:
-    """A member's password, from its own identity's secret key."""
-    return hmac.new(identity_secret, _MEMBER_DOMAIN, hashlib.sha256).hexdigest()
-
-
-def password_digest(password: str) -> str:
-    """SHA-256 of a password, hex: what Redis keeps of it, and a member's key."""
-    return hashlib.sha256(password.encode()).hexdigest()
-
-
-def member_user(run_id: str, key: str) -> str:
-    return f"ddiloco:{run_id}:k:{key[:32]}"
-
+# What the servers' own user may do: a replica's sync from the primary, and
+# what Sentinel sends a server it monitors (the list Redis's Sentinel docs give).
+SENTINEL_USER_RULES = (
+    "resetchannels &__sentinel__:hello -@all +ping +auth +hello +info +role +multi +exec "
+    "+publish +subscribe +slaveof +replicaof +config|rewrite +client|setname +client|kill "
+    "+script|kill +psync +replconf +sync"
+)
 
 # The default user: off and without a password, so no connection is ever it,
 # yet allowed every command. Redis 7.0 replays an append-only file's
@@ -93,29 +86,41 @@ def member_user(run_id: str, key: str) -> str:
 DEFAULT_USER_RULES = "off resetpass ~* &* +@all"
 
 
-def acl_file(syncer_password: str, join_secret: bytes) -> list[str]:
+def acl_file(syncer_password: str, join_secret: bytes, sentinel_password: str | None) -> list[str]:
     """The lines of ``redis.acl``: the users Redis starts with (members are added
-    by syncers)."""
+    by syncers); the servers' own user where ``sentinel_password`` is given."""
     join_rules = "resetchannels -@all +ping +auth +hello +xadd"
+    servers = [f"user {SENTINEL_USER} on #{password_digest(sentinel_password)} "
+               f"{SENTINEL_USER_RULES}"] if sentinel_password else []  # fmt: skip
     return [
         f"user default {DEFAULT_USER_RULES}",
         f"user {SYNCER_USER} on #{password_digest(syncer_password)} ~* &* +@all",
         f"user {JOIN_USER} on #{password_digest(join_password(join_secret))} "
         f"{join_rules} %W~{requests_key('*')}",
+        *servers,
     ]
 
 
 def write_acl_file(folder: str | Path) -> Path:
-    """Write ``redis.acl`` from the folder's syncer password and join secret
-    (again, for a folder made by an earlier release: its default user's rules
-    lost transactions at a Redis restart, :data:`DEFAULT_USER_RULES`)."""
+    """Write ``redis.acl`` from the folder's syncer password, join secret and
+    servers' password (again, for a folder made by an earlier release: its
+    default user's rules lost transactions at a Redis restart,
+    :data:`DEFAULT_USER_RULES`; it gets a servers' password if it has none)."""
     out = Path(folder)
     keys = RunKeys.load(out, "syncer")
     assert keys.redis_password is not None, "a syncer's keys"
-    lines = acl_file(keys.redis_password, keys.join_secret)
+    lines = acl_file(keys.redis_password, keys.join_secret, sentinel_password(out))
     # Digests only, and read by the Redis server's own user: not 0600.
     write_private(out / REDIS_ACL, "".join(f"{line}\n" for line in lines), mode=0o644)
     return out / REDIS_ACL
+
+
+def sentinel_password(folder: Path) -> str:
+    """The servers' password (``redis.sentinel``), made first where the folder
+    has none (one made by an earlier release)."""
+    if not (folder / REDIS_SENTINEL).exists():
+        write_private(folder / REDIS_SENTINEL, secrets.token_hex(32) + "\n")
+    return read_secret_hex(folder, REDIS_SENTINEL)
 
 
 def member_rules(
@@ -148,7 +153,9 @@ def lock_down_if_open(url: str, socket_timeout_s: float, keys: RunKeys) -> bool:
     client = connect(url, socket_timeout_s, keys)  # rediss: checked against the run's CA
     try:
         client.ping()
-        users = [line.split()[1:] for line in acl_file(keys.redis_password, keys.join_secret)]
+        # A lone server: no replicas, no Sentinels, so not their user.
+        lines = acl_file(keys.redis_password, keys.join_secret, None)
+        users = [line.split()[1:] for line in lines]
         default = [u for u in users if u[0] == "default"]
         for name, *rules in [u for u in users if u[0] != "default"] + default:
             client.execute_command("ACL", "SETUSER", name, "reset", *rules)

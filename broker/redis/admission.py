@@ -32,7 +32,7 @@ import redis
 
 from broker.identity.keys import RunKeys
 from broker.identity.members import MAX_MEMBERS, Members, SlotLeases
-from broker.redis.access import member_rules, member_user
+from broker.redis.access import member_rules
 from broker.redis.frames import check_frame
 from broker.redis.names import grant_key, requests_key, roster_key
 from broker.redis.scripts import (
@@ -41,6 +41,7 @@ from broker.redis.scripts import (
     STREAM_TRIMMED_PAST,
     TAKE_BOUNDED,
 )
+from broker.redis.users import member_user
 from broker.transport import TransportStats, learner_id_of
 from broker.wire.messages import Enroll, LeaseRequest
 

@@ -1,7 +1,10 @@
 """A learner's delta streams on Redis (docs/transports.md): :class:`DeltaQueue`
 XADDs its deltas in order to its own stream of each fragment, bounding the
 stream (:data:`~broker.redis.scripts.BOUNDED_XADD`), and keeps each until redis
-replied. The syncer reads them (:mod:`broker.redis.delta_reader`).
+replied and, with ``wait_replicas``, until that many replicas hold it (WAIT on
+the same connection, in the same round trip): a delta a failover could still
+lose is sent again, and the syncer's de-duplication drops the copy. The
+syncer reads them (:mod:`broker.redis.delta_reader`).
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from functools import partial
 
 from broker.errors import ConfigError
 from broker.redis.frames import PART_FIELDS, encode_parts_bounded, entries_within
-from broker.redis.link import Failed, RedisLink
+from broker.redis.link import Failed, NotReplicated, RedisLink
 from broker.redis.names import GROUP, delta_stream_key, trimmed_key
+from broker.redis.options import RedisOptions
 from broker.redis.scripts import BOUNDED_XADD
 from broker.transport import Backpressure, TransportStats
 from broker.wire.messages import Delta
@@ -40,21 +44,20 @@ class DeltaQueue:
         run_id: str,
         learner_id: str,
         num_fragments: int,
-        max_message_bytes: int,
-        max_unacked: int,
-        delta_stream_maxlen: int,
-        delta_stream_max_bytes: int,
+        options: RedisOptions,
         stats: TransportStats,
     ) -> None:
         self._link = link
         self._run_id = run_id
         self._learner_id = learner_id
         self._num_fragments = num_fragments
-        self._max_message_bytes = max_message_bytes
-        self._max_unacked = max_unacked
-        self._maxlen = delta_stream_maxlen
+        self._max_message_bytes = options.max_message_bytes
+        self._max_unacked = options.max_unacked
+        self._maxlen = options.delta_stream_maxlen
         # Each of our num_fragments streams holds its share of the bytes.
-        self._stream_max_bytes = delta_stream_max_bytes // num_fragments
+        self._stream_max_bytes = options.delta_stream_max_bytes // num_fragments
+        self._wait_replicas = options.wait_replicas
+        self._wait_ms = max(1, int(options.socket_timeout_s * 1000 / 2))
         self._stats = stats
         self._bounded_xadd = link.client.register_script(BOUNDED_XADD)
         self._queue: deque[_QueuedDelta] = deque()
@@ -114,13 +117,26 @@ class DeltaQueue:
 
     def _xadd(self, item: _QueuedDelta, maxlen: int) -> int:
         """XADD ``item`` to its stream, bounded to ``maxlen`` entries
-        (``BOUNDED_XADD``); how many unread entries that dropped."""
-        return int(
-            self._bounded_xadd(
-                keys=[item.stream, item.trimmed_key],
-                args=[maxlen, GROUP, *self._entry(item.parts)],
+        (``BOUNDED_XADD``); how many unread entries that dropped. With
+        ``wait_replicas``, :class:`NotReplicated` unless that many replicas
+        confirmed it within half the socket timeout."""
+        args: list[bytes | str | int] = [maxlen, GROUP, *self._entry(item.parts)]
+        if not self._wait_replicas:
+            return int(self._bounded_xadd(keys=[item.stream, item.trimmed_key], args=args))
+        # One pipeline, one connection: WAIT counts the replicas that hold what
+        # this connection wrote.
+        # EVALSHA itself: a script call in a pipeline would first ask SCRIPT
+        # EXISTS, which a learner may not (the syncer loads its scripts).
+        pipe = self._link.client.pipeline(transaction=False)
+        pipe.evalsha(self._bounded_xadd.sha, 2, item.stream, item.trimmed_key, *args)
+        pipe.wait(self._wait_replicas, self._wait_ms)
+        lost, replicas = pipe.execute()
+        if replicas < self._wait_replicas:
+            raise NotReplicated(
+                f"{item.stream}: {replicas} of {self._wait_replicas} replicas hold the delta "
+                f"after {self._wait_ms} ms"
             )
-        )
+        return int(lost)
 
     @staticmethod
     def _entry(parts: tuple[bytes, bytes, bytes]) -> list[bytes]:

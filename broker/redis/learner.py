@@ -33,13 +33,6 @@ import redis
 from broker.errors import ConfigError
 from broker.identity.keys import Identity, RunKeys, enroll_proof
 from broker.identity.signing import GlobalVerifier
-from broker.redis.access import (
-    JOIN_USER,
-    join_password,
-    member_password,
-    member_user,
-    password_digest,
-)
 from broker.redis.admission import MAX_REQUEST_BYTES, REQUESTS_MAXLEN
 from broker.redis.delta_queue import DeltaQueue
 from broker.redis.frames import FIELD, encode_bounded
@@ -48,6 +41,13 @@ from broker.redis.link import REFUSED, Failed, Outage, RedisLink, connect, trans
 from broker.redis.names import grant_key, heartbeat_key, requests_key
 from broker.redis.options import RedisOptions
 from broker.redis.snapshot_keys import GlobalCheck, SnapshotKeys
+from broker.redis.users import (
+    JOIN_USER,
+    join_password,
+    member_password,
+    member_user,
+    password_digest,
+)
 from broker.transport import LearnerTransport, TransportError, lease_request_ok
 from broker.wire.messages import Delta, Enroll, GlobalFragment, Heartbeat, LeaseRequest
 
@@ -124,10 +124,7 @@ class RedisLearnerTransport(LearnerTransport):
             run_id,
             learner_id,
             num_fragments,
-            max_message_bytes,
-            options.max_unacked,
-            options.delta_stream_maxlen,
-            options.delta_stream_max_bytes,
+            options,
             self.stats,
         )
         verifier = GlobalVerifier(keys) if keys is not None else None

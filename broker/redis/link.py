@@ -22,6 +22,7 @@ import redis
 from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.retry import Retry
 
+from broker.redis.sentinel import connect_sentinel, is_sentinel_url, parse_sentinel_url
 from broker.transport import TransportError, TransportStats
 
 if TYPE_CHECKING:
@@ -34,8 +35,17 @@ T = TypeVar("T")
 _BACKOFF_BASE_S = 0.05
 _BACKOFF_CAP_S = 2.0
 
+
+class NotReplicated(TransportError):
+    """A write the primary took that no replica confirmed within the wait
+    (``wait_replicas``): it may be lost in a failover, so it is not done yet."""
+
+
 # Errors after which the same request may succeed later: the server is down,
-# restarting, loading its AOF, out of memory, or failing to write its AOF.
+# restarting, loading its AOF, out of memory, or failing to write its AOF;
+# with replicas also a failover under way (no primary, a primary turned
+# replica, too few replicas in sync to take writes: NOREPLICAS, or to confirm
+# one: NotReplicated).
 # With the run's keys also a refused user or command (AUTH, NOPERM): a learner
 # whose ACL user the syncer has not made, or widened to its learner id, yet; it
 # enrolls again and waits (broker.redis.learner).
@@ -48,6 +58,7 @@ _TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     redis.exceptions.ExecAbortError,
     redis.exceptions.TryAgainError,
     redis.exceptions.MasterDownError,
+    NotReplicated,
 )
 
 # Redis refused our user or a command: not admitted (yet), not network weather.
@@ -56,10 +67,13 @@ REFUSED = (redis.AuthenticationError, redis.exceptions.NoPermissionError)
 
 def is_transient(error: Exception) -> bool:
     """Whether the request that failed with ``error`` may succeed later (see
-    ``_TRANSIENT_ERRORS``; a MISCONF reply too: Redis cannot write its AOF)."""
-    return isinstance(error, _TRANSIENT_ERRORS) or (
-        isinstance(error, redis.ResponseError) and str(error).startswith("MISCONF")
-    )
+    ``_TRANSIENT_ERRORS``; a MISCONF reply too: Redis cannot write its AOF;
+    and NOREPLICAS: the primary has too few replicas in sync to take writes)."""
+    if isinstance(error, _TRANSIENT_ERRORS):
+        return True
+    # A transaction's error reads "Command # N (...) of pipeline caused error: REPLY".
+    reply = str(error).rpartition("caused error: ")[2]
+    return isinstance(error, redis.ResponseError) and reply.startswith(("MISCONF", "NOREPLICAS"))
 
 
 @dataclass(frozen=True)
@@ -89,8 +103,18 @@ def connect(
     """A client for ``url``, as ``user`` (name, password) when given. With the
     run's keys, a ``rediss://`` server must hold a certificate of the run's CA
     for the host dialled; a plain ``redis://`` URL to another host is said to
-    be in the clear."""
+    be in the clear. A ``redis+sentinel://`` URL gives a client of the
+    primary the Sentinels name (:mod:`broker.redis.sentinel`)."""
     parts = urlsplit(url)
+    # One immediate retry replaces a pooled connection that a server restart
+    # broke; longer outages are the caller's backoff loop's business.
+    retry = Retry(NoBackoff(), 1)
+    if is_sentinel_url(url):
+        address = parse_sentinel_url(url)
+        if keys is not None and not address.tls:
+            log.warning("%s: redis in the clear, readable on the way; use rediss+sentinel://",
+                        ",".join(host for host, _ in address.sentinels))  # fmt: skip
+        return connect_sentinel(address, socket_timeout_s, keys, user, retry=retry)
     options: dict[str, Any] = {}
     if user is not None:
         options["username"], options["password"] = user
@@ -102,13 +126,11 @@ def connect(
             "%s: redis in the clear, readable on the way; use rediss:// (the run's keys "
             "hold its CA)", parts.hostname,
         )  # fmt: skip
-    # One immediate retry replaces a pooled connection that a server restart
-    # broke; longer outages are the caller's backoff loop's business.
     return redis.Redis.from_url(
         url,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=socket_timeout_s,
-        retry=Retry(NoBackoff(), 1),
+        retry=retry,
         decode_responses=False,
         **options,
     )

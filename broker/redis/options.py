@@ -24,6 +24,9 @@ REDIS_PY_TIMEOUTS = ("socket_timeout", "socket_connect_timeout")
 class RedisOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # largest frame; unset: what the plan needs
     socket_timeout_s: float = 5.0  # a request Redis does not answer within this failed
+    # Replicas that must hold a learner's delta before it counts as delivered
+    # (WAIT, up to socket_timeout_s); a redis+sentinel:// URL sets 1 unless given.
+    wait_replicas: int = 0
     max_unacked: int = 64  # learner: deltas written and not yet acknowledged, at most
     delta_stream_maxlen: int = 10_000  # learner: entries of one delta stream, at most
     delta_stream_max_bytes: int = 2**30  # learner: bytes of one delta stream, at most
@@ -36,6 +39,7 @@ class RedisOptions:
 
     def __post_init__(self) -> None:
         check_int("max_message_bytes", self.max_message_bytes, minimum=1024)
+        check_int("wait_replicas", self.wait_replicas, minimum=0)
         for name in ("max_unacked", "delta_stream_maxlen", "delta_stream_max_bytes"):
             check_int(name, getattr(self, name))
         for name in ("globals_maxlen", "globals_max_bytes", "block_ms"):

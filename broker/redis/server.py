@@ -21,7 +21,7 @@ import redis
 from broker.errors import ConfigError, TransportError
 from broker.identity.keys import REDIS_ACL, REDIS_SYNCER
 from broker.identity.tls import TLS_CA, redis_server_tls_args
-from broker.redis.access import SYNCER_USER
+from broker.redis.users import SYNCER_USER
 
 
 def free_port() -> int:

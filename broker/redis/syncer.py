@@ -33,7 +33,7 @@ from broker.errors import ConfigError
 from broker.identity.keys import RunKeys
 from broker.identity.members import MAX_MEMBERS
 from broker.identity.signing import GlobalSigner, GlobalVerifier
-from broker.redis.access import SYNCER_USER, lock_down_if_open
+from broker.redis.access import lock_down_if_open
 from broker.redis.admission import Admission
 from broker.redis.delta_reader import DeltaReader, Token
 from broker.redis.delta_trimmer import DeltaTrimmer
@@ -51,6 +51,7 @@ from broker.redis.names import (
 from broker.redis.options import RedisOptions
 from broker.redis.shards import Fence, execute, transaction
 from broker.redis.snapshot_keys import GlobalCheck, SnapshotKeys
+from broker.redis.users import SYNCER_USER
 from broker.transport import MAX_LEARNER_SLOTS, Inbound, SyncerTransport, TransportStats
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat, Refusal
 
