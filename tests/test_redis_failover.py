@@ -23,7 +23,7 @@ from broker.redis.users import JOIN_USER, SENTINEL_USER, join_password
 from broker.run.key_folder import make_keys
 from broker.url import parse_url
 from compose.cli import main as ddiloco
-from tests.failover import REDIS_NODE, FailoverRedis
+from compose.failover import REDIS_NODE, FailoverRedis
 
 COMPOSE = Path(__file__).resolve().parent.parent / "compose"
 

@@ -38,6 +38,7 @@ from broker.run.settings import RunSettings
 from broker.transport import LearnerTransport
 from broker.wire.codecs import Codec, apply_change
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat, decode, weights_checksum
+from compose.failover import FailoverRedis
 from compose.processes import free_port_pair
 from learner.config import WorkloadConfig
 from learner.library import MIN_QUEUED_BYTES
@@ -45,7 +46,6 @@ from learner.model import ModelConfig
 from learner.workload import write_initial
 from syncer.checkpoint import load_fragment, read_changes
 from syncer.config import CRASH_POINTS, SyncerConfig
-from tests.failover import FailoverRedis
 from tests.servers import run_keys, wait_until
 
 pytestmark = pytest.mark.integration

@@ -1,7 +1,8 @@
-"""A Redis that fails over, as compose/compose.sentinel.yaml runs it: a
-primary and a replica, each started by compose/redis-node.sh (the script the
-compose file runs), and three Sentinels with the configuration `ddiloco keys
-sentinel` writes, all on this host's loopback with the run's keys and TLS."""
+"""A Redis that fails over, as compose/compose.sentinel.yaml runs it, on this
+host's loopback: a primary and a replica, each started by compose/redis-node.sh
+(the script the compose file runs), and three Sentinels with the configuration
+`ddiloco keys sentinel` writes, with the run's keys and TLS. For tests and
+benchmarks (python -m benchmarks.failover)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,28 @@ import os
 import shutil
 import signal
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
+from broker.errors import TransportError
 from broker.identity.keys import REDIS_SENTINEL
 from broker.identity.tls import TLS_CA
 from broker.redis.sentinel import DEFAULT_SERVICE, sentinel_conf
 from broker.redis.server import free_port, redis_server_binary
 from broker.redis.users import SENTINEL_USER
-from tests.servers import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
-REDIS_NODE = ROOT / "compose" / "redis-node.sh"
+REDIS_NODE = Path(__file__).resolve().parent / "redis-node.sh"
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TransportError(f"no {what} within {timeout_s} s")
+        time.sleep(0.1)
 
 
 class FailoverRedis:
@@ -49,7 +59,7 @@ class FailoverRedis:
         primary finds its replica (they look again only every 10 s)."""
         self.start_node("a")
         self.start_node("b")
-        wait_until(lambda: self.replica_in_sync("b"), 30, interval_s=0.1, what="b in sync")
+        _wait(lambda: self.replica_in_sync("b"), 30, "replica in sync")
         for i, port in enumerate(self.sentinel_ports):
             folder = self.workdir / f"sentinel-{i}"
             folder.mkdir(parents=True)
@@ -127,7 +137,7 @@ class FailoverRedis:
                 for i in range(len(self.sentinel_ports))
             )
 
-        wait_until(settled, timeout_s, interval_s=0.2, what="a primary with a replica in sync")
+        _wait(settled, timeout_s, "primary with a replica in sync")
         primary = self.primary()
         assert primary is not None
         return primary
