@@ -13,7 +13,8 @@ from collections.abc import Collection
 
 from broker.errors import ConfigError
 
-_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+MAX_ID_LEN = 64
+_ID_RE = re.compile(rf"^[A-Za-z0-9._:-]{{1,{MAX_ID_LEN}}}$")
 
 
 def require(ok: bool, message: str) -> None:
@@ -24,7 +25,7 @@ def require(ok: bool, message: str) -> None:
 def check_id(name: str, value: str) -> None:
     require(
         isinstance(value, str) and bool(_ID_RE.match(value)),
-        f"{name}={value!r}: use 1-64 characters from A-Z a-z 0-9 . _ : -",
+        f"{name}={value!r}: use 1-{MAX_ID_LEN} characters from A-Z a-z 0-9 . _ : -",
     )
 
 

@@ -16,6 +16,7 @@ QUARANTINE_ACTIONS = ("clip", "refuse")
 # The boundaries of the delta pipeline (receive -> merge -> checkpoint -> publish
 # -> ack) where a fault test can kill or pause the syncer (SyncerConfig.crash_at, pause_at).
 AUTO_SHARD = "auto"  # syncer_shard: the lowest free index (see SyncerConfig)
+AUTO_ID = "auto"  # syncer_id: from its shard and host (see SyncerConfig)
 CRASH_POINTS = ("after_receive", "after_update", "after_checkpoint", "before_ack")
 
 
@@ -64,7 +65,8 @@ class OuterConfig:
 class SyncerConfig:
     run: RunSettings = field(default_factory=RunSettings)
     outer: OuterConfig = field(default_factory=OuterConfig)
-    syncer_id: str = "syncer-0"
+    # Unique across hosts, the same after a restart on one.
+    syncer_id: str = AUTO_ID  # its name in logs and Redis's group; auto: syncer-SHARD-HOST
     # Shard s serves the fragments p with p mod syncer_shards == s (broker.fragments),
     # from its own folder checkpoint_dir/shard-s when there are several. auto:
     # Redis leases an index; over ZeroMQ the syncer takes the first shard folder
@@ -85,7 +87,8 @@ class SyncerConfig:
     pause_at: str = ""
 
     def __post_init__(self) -> None:
-        check_id("syncer_id", self.syncer_id)
+        if self.syncer_id != AUTO_ID:
+            check_id("syncer_id", self.syncer_id)
         check_int("metrics_port", self.metrics_port, minimum=0)
         check_int("full_checkpoint_every", self.full_checkpoint_every)
         if self.crash_at:

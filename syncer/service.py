@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from broker.checks import MAX_ID_LEN
 from broker.connect import connect_syncer, lease_shard
 from broker.errors import ConfigError, Fenced, TransportError
 from broker.fragments import owned_fragments
@@ -43,7 +44,7 @@ from syncer.checkpoint import (
     save_fragment,
 )
 from syncer.closer import RoundCloser
-from syncer.config import AUTO_SHARD, SyncerConfig
+from syncer.config import AUTO_ID, AUTO_SHARD, SyncerConfig
 from syncer.fragment_state import FragmentState
 from syncer.intake import Intake
 from syncer.membership import Membership
@@ -163,6 +164,11 @@ class Syncer:
                 self.shard = fixed
             else:
                 self.shard, held = _take_shard_folder(Path(cfg.checkpoint_dir), run.syncer_shards)
+            self.syncer_id = (
+                cfg.syncer_id
+                if cfg.syncer_id != AUTO_ID
+                else f"syncer-{self.shard}-{default_holder()}"[:MAX_ID_LEN]
+            )
             self._start(initial, transport, held)
         except BaseException:
             if self.shard_lease is not None:
@@ -216,7 +222,7 @@ class Syncer:
         self.transport = transport or connect_syncer(
             run.url,
             run_id=run.run_id,
-            syncer_id=cfg.syncer_id,
+            syncer_id=self.syncer_id,
             fragments=self.owned,
             max_message_bytes=self.plan.max_message_bytes,
             num_fragments=self.plan.num_fragments,
@@ -389,7 +395,7 @@ def run_syncer(cfg: SyncerConfig) -> None:
     signal.signal(signal.SIGUSR1, lambda *_: syncer.drain_requested.set())
     log.info(
         "syncer %s, shard %d of %d, owns fragments %s (plan %s)",
-        cfg.syncer_id,
+        syncer.syncer_id,
         syncer.shard,
         cfg.run.syncer_shards,
         syncer.owned,

@@ -3,7 +3,9 @@
 :class:`DeltaReader` is one consumer of the group on the delta streams of the
 fragments a syncer owns, one per learner it follows (the roster's): it re-reads
 its own pending entries, takes over those a dead consumer left (XAUTOCLAIM after
-``claim_idle_s``), reads new ones with XREADGROUP and XACKs what the caller
+``claim_idle_s``; at once, the first time it scans a stream, while it holds
+the shard's term: whoever read them before is fenced), reads new ones with
+XREADGROUP and XACKs what the caller
 acks; :class:`DeltaBell` wakes it when a learner wrote. Learners write the
 streams (:mod:`broker.redis.delta_queue`); the syncer trims them
 (:mod:`broker.redis.delta_trimmer`). These parts raise redis's errors: the
@@ -150,6 +152,9 @@ class DeltaReader:
         self._bell = DeltaBell(client, run_id)
         self._claim_cursor: dict[str, str] = {}
         self._next_claim_at = 0.0
+        # Streams scanned once since they were followed: under a term (fence),
+        # the first scan takes every pending entry, not only the idle ones.
+        self._swept: set[str] = set()
 
     def follow(self, learner_ids: list[str]) -> None:
         """Read the streams of ``learner_ids`` too (their pending entries first)."""
@@ -161,6 +166,8 @@ class DeltaReader:
                 stream = delta_stream_key(self._run_id, p, learner)
                 self.streams[stream] = (p, learner)
                 self._pending_after[stream] = "0-0"
+                if self.fence is not None:
+                    self._next_claim_at = 0.0  # its predecessor's entries, at once
 
     def ensure_groups(self) -> None:
         """Create the group on every stream (and the streams) not done yet."""
@@ -271,12 +278,16 @@ class DeltaReader:
             cursor = self._claim_cursor.get(stream, "0-0")
             if cursor == "done":
                 continue
+            # A predecessor under an older term (another host's syncer: another
+            # consumer name) can ack nothing more: its entries are ours now.
+            at_once = self.fence is not None and stream not in self._swept
+            idle_ms = 0 if at_once else int(self._claim_idle_s * 1000)
             reply = cast(
                 list[Any],
                 self._claim_script(
                     keys=[stream],
-                    args=[self._group, self._consumer, _DELTAS_READ_COUNT,
-                          int(self._claim_idle_s * 1000), cursor, self._max_message_bytes],
+                    args=[self._group, self._consumer, _DELTAS_READ_COUNT, idle_ms, cursor,
+                          self._max_message_bytes],
                 ),
             )  # fmt: skip
             self._count_dropped(int(reply[0]))
@@ -294,6 +305,8 @@ class DeltaReader:
                 )
             items += self._accept(stream, claimed)
             self._claim_cursor[stream] = "done" if next_cursor == "0-0" else next_cursor
+            if next_cursor == "0-0":
+                self._swept.add(stream)
         if all(self._claim_cursor.get(s) == "done" for s in self.streams):
             self._claim_cursor.clear()
             self._next_claim_at = time.monotonic() + self._claim_interval_s
