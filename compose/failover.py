@@ -107,10 +107,12 @@ class FailoverRedis:
         named = set()
         for i in range(len(self.sentinel_ports)):
             try:
-                host, port = self.sentinel(i).sentinel_get_master_addr_by_name(DEFAULT_SERVICE)
-            except (redis.RedisError, TypeError):
+                address = self.sentinel(i).sentinel_get_master_addr_by_name(DEFAULT_SERVICE)
+            except redis.RedisError:
                 return None
-            named.add(int(port))
+            if not isinstance(address, tuple):  # none known
+                return None
+            named.add(int(address[1]))
         found = [n for n, p in self.ports.items() if {p} == named]
         return found[0] if found else None
 
