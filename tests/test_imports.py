@@ -81,9 +81,9 @@ def test_broker_modules_and_the_services_classes_stay_small() -> None:
 
 
 def _docker_pattern(pattern: str) -> str:
-    """A .dockerignore pattern as a regular expression (``**/``: any folders)."""
-    escaped = re.escape(pattern).replace(r"\*\*/", "(?:.*/)?").replace(r"\*", "[^/]*")
-    return escaped
+    """A .dockerignore pattern as a regular expression: ``*`` within a name, a
+    folder's name for all it holds."""
+    return re.escape(pattern).replace(r"\*", "[^/]*") + "(?:/.*)?"
 
 
 def test_the_image_holds_every_module_of_the_services() -> None:
