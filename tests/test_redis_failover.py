@@ -73,14 +73,14 @@ def test_compose_runs_each_server_with_the_script_and_settings_the_tests_run() -
     variables tests/failover.py gives it, the Sentinels the configuration
     `ddiloco keys sentinel` writes, and every service the sentinel URL."""
     spec = yaml.safe_load((COMPOSE / "compose.sentinel.yaml").read_text())
-    assert spec["configs"]["redis-node.sh"]["file"] == f"./{REDIS_NODE.name}"
+    assert spec["secrets"]["redis-node.sh"]["file"] == f"./{REDIS_NODE.name}"
     script_env = {
         line.split()[1] for line in REDIS_NODE.read_text().splitlines()
         if line.startswith("#   DDILOCO_")
     }  # fmt: skip
     for name in ("redis", "redis-replica"):
         service = spec["services"][name]
-        assert "/ddiloco-redis-node.sh" in service["entrypoint"][-2]
+        assert "sh /run/secrets/redis-node.sh" in service["entrypoint"][-2]
         assert set(service["environment"]) == script_env
         assert service["environment"]["DDILOCO_REDIS_NODE"] == f"{name}:6379"
     for i in (1, 2, 3):

@@ -41,7 +41,7 @@ QUORUM = 2
 DOWN_AFTER_MS = 2000
 # A failover that did not end within this is tried again (by another Sentinel
 # after twice this).
-FAILOVER_TIMEOUT_MS = 10_000
+FAILOVER_TIMEOUT_MS = 5_000
 # What members may ask a Sentinel: where the primary and the others are. Not
 # SENTINEL SET, FAILOVER, RESET, REMOVE or MONITOR, which would let any member
 # move the run's data where it likes.
