@@ -6,6 +6,7 @@ benchmarks (python -m benchmarks.failover)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ import redis
 from broker.errors import TransportError
 from broker.identity.keys import REDIS_SENTINEL
 from broker.identity.tls import TLS_CA
+from broker.redis.link import Failed, transient_call
 from broker.redis.sentinel import DEFAULT_SERVICE, sentinel_conf
 from broker.redis.server import free_port, redis_server_binary
 from broker.redis.users import SENTINEL_USER
@@ -106,20 +108,20 @@ class FailoverRedis:
         """The server every Sentinel names the primary, if they agree."""
         named = set()
         for i in range(len(self.sentinel_ports)):
-            try:
-                address = self.sentinel(i).sentinel_get_master_addr_by_name(DEFAULT_SERVICE)
-            except redis.RedisError:
-                return None
-            if not isinstance(address, tuple):  # none known
+            ask = functools.partial(
+                self.sentinel(i).sentinel_get_master_addr_by_name, DEFAULT_SERVICE
+            )
+            address = transient_call(ask)
+            if not isinstance(address, tuple):  # down, or none known
                 return None
             named.add(int(address[1]))
         found = [n for n, p in self.ports.items() if {p} == named]
         return found[0] if found else None
 
     def replica_in_sync(self, name: str) -> bool:
-        try:
-            info = self.client(name).info("replication")
-        except redis.RedisError:
+        client = self.client(name)
+        info = transient_call(lambda: client.info("replication"))
+        if isinstance(info, Failed):  # down or loading
             return False
         return info.get("role") == "slave" and info.get("master_link_status") == "up"
 
