@@ -361,26 +361,30 @@ def test_syncer_killed_at_a_pipeline_boundary_loses_nothing_and_applies_nothing_
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("successor", ["same_host", "another_host"])
 def test_a_syncer_whose_checkpoint_folder_is_lost_resumes_from_redis_in_the_same_epoch(
-    tmp_path: Path, compose_redis: RedisServer
+    tmp_path: Path, compose_redis: RedisServer, successor: str
 ) -> None:
     """The syncer's host is lost between a round's publish and its acks (SIGKILL,
     then its checkpoint folder deleted): a new syncer finds no checkpoint,
     rebuilds each fragment from the latest global and state Redis keeps, in the
     same epoch (not the initial model), and the run goes on with nothing
     acknowledged lost and nothing applied twice (the unacked deltas the lost
-    round merged come again and are known)."""
+    round merged come again and are known). On another host (another syncer
+    id: another consumer of the group) it takes the dead one's pending deltas
+    at once under its term, not after claim_idle_s (here 600 s, past the test)."""
     write_initial_model(tmp_path)
-    syncer = SyncerProcess(tmp_path, compose_redis.url)
+    url = f"{compose_redis.url}?claim_idle_s=600"
+    syncer = SyncerProcess(tmp_path, url)
     syncer.start("--crash-at", "before_ack")
-    learners = TwoLearners(compose_redis.url, syncer)
+    learners = TwoLearners(url, syncer)
     epochs: dict[int, int] = {}
 
     def keep_going() -> bool:
         if syncer.returncode() is not None and not epochs:
             epochs.update({p: g.epoch for p, g in learners.latest.items()})
             shutil.rmtree(syncer.checkpoint_dir)  # the host and its disk are gone
-            syncer.start()
+            syncer.start(*(["--syncer-id", "elsewhere"] if successor == "another_host" else []))
         learners.turn()
         return True
 
