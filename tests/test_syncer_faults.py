@@ -477,6 +477,19 @@ def test_a_syncer_frozen_past_its_lease_is_fenced_when_it_wakes(
     check_applied_once(learners, 0)
 
 
+def joiner_versions(url: str) -> dict[int, int]:
+    """The version of each fragment a learner joining now reads from the broker."""
+    joiner = connect_learner(
+        url, run_id="faults", learner_id="joiner", incarnation=1,
+        num_fragments=FRAGMENTS, keys=RunKeys.load(run_keys(), "learner"),
+    )  # fmt: skip
+    try:
+        snapshot = joiner.snapshot(list(range(FRAGMENTS)), timeout_s=10)
+    finally:
+        joiner.close()
+    return {p: g.version for p, g in snapshot.items()}
+
+
 def stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped (SIGSTOP)."""
     return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T"
@@ -513,23 +526,14 @@ def test_redis_killed_at_a_pipeline_boundary_loses_nothing_and_freezes_no_fragme
 
     try:
         play_to_the_end(learners, keep_going)
-        joiner = connect_learner(
-            server.url, run_id="faults", learner_id="joiner", incarnation=1,
-            num_fragments=FRAGMENTS, keys=RunKeys.load(run_keys(), "learner"),
-        )  # fmt: skip
-        try:
-            snapshot = joiner.snapshot(list(range(FRAGMENTS)), timeout_s=10)
-        finally:
-            joiner.close()
+        joined = joiner_versions(server.url)
     finally:
         learners.close()
         syncer.stop()
 
     assert redis_restarts == 1, f"the syncer never reached {pause_at}"
     check_applied_once(learners, 0)
-    assert {p: g.version for p, g in snapshot.items()} == {
-        p: g.version for p, g in learners.latest.items()
-    }
+    assert joined == {p: g.version for p, g in learners.latest.items()}
     assert "NOPERM" not in (server.workdir / "redis.log").read_text()
 
 
@@ -576,23 +580,14 @@ def test_a_lost_redis_primary_fails_over_and_the_run_loses_nothing(
     try:
         play_to_the_end(learners, keep_going)
         assert cluster.wait_settled() == "b"
-        joiner = connect_learner(
-            cluster.url, run_id="faults", learner_id="joiner", incarnation=1,
-            num_fragments=FRAGMENTS, keys=RunKeys.load(run_keys(), "learner"),
-        )  # fmt: skip
-        try:
-            snapshot = joiner.snapshot(list(range(FRAGMENTS)), timeout_s=10)
-        finally:
-            joiner.close()
+        joined = joiner_versions(cluster.url)
     finally:
         learners.close()
         syncer.stop()
 
     assert len(killed_at) == 2, "the syncer never paused before its ack"
     check_applied_once(learners, 0)
-    assert {p: g.version for p, g in snapshot.items()} == {
-        p: g.version for p, g in learners.latest.items()
-    }
+    assert joined == {p: g.version for p, g in learners.latest.items()}
     assert "as a replica" in (cluster.node_dir("a") / "node.log").read_text()
 
 
