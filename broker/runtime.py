@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import os
 import re
+import signal
 import socket
 
 _MAX_HOLDER_LEN = 64
+# Set by a launcher (``ddiloco local``) for its children: its process id.
+LAUNCHER_ENV = "DDILOCO_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_launcher() -> None:
+    """In a process a launcher started (:data:`LAUNCHER_ENV`): have the kernel
+    send it SIGTERM when the launcher dies, so that a launcher killed outright
+    leaves no service running on (Linux; elsewhere nothing), and stop at once
+    if it died already. The variable is taken out of the environment: a
+    process this one starts has another parent."""
+    launcher = os.environ.pop(LAUNCHER_ENV, None)
+    if launcher is None:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):  # not Linux: no such call
+        return
+    if os.getppid() != int(launcher):
+        raise SystemExit(f"the launcher (pid {launcher}) is gone: not starting")
 
 
 def freeze_startup_heap() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from broker.errors import ConfigError, DdilocoError
 from broker.identity.keys import DEFAULT_KEYS_DIR
+from broker.runtime import stop_with_launcher
 
 # Each command, and what it does. A command's options are added only when it
 # is the one run (or for the reference, docs/cli.md): `ddiloco keys` loads
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     _setup_logging(args.log_level)
+    stop_with_launcher()
     try:
         if args.command == "keys":
             return run_keys(args)

@@ -40,6 +40,7 @@ a killed learner restarts in it, so a restart does not wait for Python and torch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import secrets
@@ -47,6 +48,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -412,9 +414,10 @@ class LocalRun:
                 time.sleep(0.2)
             finished = True
         finally:
-            if live:
-                live.stop()
-            self._stop_all(finished)
+            with uninterrupted():
+                if live:
+                    live.stop()
+                self._stop_all(finished)
         self.events.append({"t": time.time(), "event": "run_end"})
         return self._report()
 
@@ -513,6 +516,20 @@ class LocalRun:
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """SIGTERM and Ctrl-C ignored inside: a second one (a supervisor that
+    signals the whole group, then the launcher) must not cut the stop short
+    and leave services running. The stop is bounded all the same: each
+    service gets STOP_TIMEOUT_S, then SIGKILL."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def run_local(cfg: LocalConfig) -> int:

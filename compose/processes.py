@@ -20,6 +20,7 @@ from typing import IO, Any
 from rich.console import Console
 
 from broker.errors import DdilocoError, TransportError
+from broker.runtime import LAUNCHER_ENV
 from learner.startup import STANDBY_ENV
 
 MAX_CRASHES = 5  # a process that dies on its own more often than this ends the run
@@ -82,7 +83,7 @@ class Proc:
     spare: subprocess.Popen[bytes] | None = None
 
     def _spawn(self, standby: bool) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, LAUNCHER_ENV: str(os.getpid())}
         if standby:
             env[STANDBY_ENV] = "1"
         return subprocess.Popen(

@@ -3,6 +3,10 @@ the launcher holds at the restart (a data-parallel group's new rendezvous port).
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +16,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from compose.local import LocalRun
+from compose.local import LocalRun, uninterrupted
 from compose.processes import Proc, Supervisor
 from learner.startup import STANDBY_ENV
 
@@ -117,3 +121,63 @@ def test_a_rank_that_dies_while_its_group_is_stopped_is_not_a_crash(
         for rank in ranks:
             rank.kill(events, "shutdown")
             rank.close_files()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is gone
+    except OSError:
+        return False
+
+
+def _start_local(out: Path) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
+    """``ddiloco local`` of a tiny model that trains on until stopped, once every
+    process of it is up: the launcher and its children's pids."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "compose.cli", "local", "--no-progress", "--learners", "2",
+         "--steps", "100000", "--model-d-model", "16", "--model-n-layer", "1",
+         "--model-seq-len", "16", "--insecure", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            pids = json.loads((out / "processes.json").read_text())
+        except (OSError, ValueError):
+            pids = {}
+        if len(pids) >= 4:  # syncer, evaluator, 2 learners
+            return launcher, pids
+        time.sleep(0.5)
+    launcher.kill()
+    raise AssertionError("the run's processes did not all start")
+
+
+@pytest.mark.timeout(180)
+def test_a_launcher_killed_outright_leaves_no_process_running(tmp_path: Path) -> None:
+    """The launcher SIGKILLed (no handler runs): the kernel sends its children
+    SIGTERM (broker.runtime.stop_with_launcher), and nothing of the run is left."""
+    launcher, pids = _start_local(tmp_path / "run")
+    try:
+        launcher.kill()
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+            time.sleep(0.2)
+        left = {name: pid for name, pid in pids.items() if _alive(pid)}
+        assert not left, f"still running after the launcher: {left}"
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_second_sigterm_or_ctrl_c_does_not_cut_the_launchers_stop_short() -> None:
+    """While the launcher stops its services (``uninterrupted``), SIGTERM and
+    SIGINT change nothing; its handlers are back after."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with uninterrupted():
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # delivered here, if not ignored: the test would end
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
