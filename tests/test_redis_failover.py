@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from broker.errors import ConfigError
 from broker.identity.keys import JOIN_SECRET, REDIS_SENTINEL
 from broker.identity.tls import TLS_CA
-from broker.redis.link import NotReplicated, is_transient
+from broker.redis.link import NotReplicated, brief, is_transient
 from broker.redis.sentinel import DEFAULT_SERVICE, SENTINEL_CONF, parse_sentinel_url
+from broker.redis.server import free_port
 from broker.redis.users import JOIN_USER, SENTINEL_USER, join_password
 from broker.run.key_folder import make_keys
 from broker.url import parse_url
@@ -162,3 +164,16 @@ def test_a_member_cannot_replicate_the_run_or_turn_a_server_into_a_replica(
         with pytest.raises(redis.exceptions.NoPermissionError):
             member.execute_command(*attack)
     assert (cluster.keys / REDIS_SENTINEL).stat().st_mode & 0o077 == 0
+
+
+def test_no_primary_found_is_said_in_one_short_line() -> None:
+    """redis-py's error names every Sentinel's whole client (2 kB for two); the
+    log line says which Sentinels answered what."""
+    ports = [free_port(), free_port()]
+    sentinel = Sentinel([("127.0.0.1", p) for p in ports], socket_timeout=0.5)
+    with pytest.raises(MasterNotFoundError) as caught:
+        sentinel.discover_master(DEFAULT_SERVICE)
+    line = brief(caught.value)
+    assert len(line) < 300 < len(str(caught.value))
+    assert line.startswith(f"No master found for '{DEFAULT_SERVICE}'")
+    assert all(f"127.0.0.1:{p}: " in line for p in ports)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from urllib.parse import urlsplit
 import redis
 from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.retry import Retry
+from redis.sentinel import MasterNotFoundError
 
 from broker.redis.sentinel import connect_sentinel, is_sentinel_url, parse_sentinel_url
 from broker.transport import TransportError, TransportStats
@@ -74,6 +76,24 @@ def is_transient(error: Exception) -> bool:
     # A transaction's error reads "Command # N (...) of pipeline caused error: REPLY".
     reply = str(error).rpartition("caused error: ")[2]
     return isinstance(error, redis.ResponseError) and reply.startswith(("MISCONF", "NOREPLICAS"))
+
+
+def brief(error: Exception) -> str:
+    """``error`` for a log line: redis-py's "no master found" names every
+    Sentinel's whole client, a few kB; the Sentinels' answers are what say why."""
+    text = str(error)
+    if not isinstance(error, MasterNotFoundError):
+        return text
+    # "... : <client(... host=H,port=P ...)> - ERROR, <client(...)> - ERROR"
+    answers = re.findall(r"\)>\)>\)> - (.*?)(?=, <redis\.client\.|$)", text)
+    where = [f"{h}:{p}" for h, p in re.findall(r",host=([^,]+),port=(\d+)", text)]
+    if len(where) != len(answers):
+        return text.split(" : ", 1)[0]
+    return (
+        text.split(" : ", 1)[0]
+        + "; "
+        + "; ".join(f"{w}: {a}" for w, a in zip(where, answers, strict=True))
+    )
 
 
 @dataclass(frozen=True)
@@ -173,13 +193,15 @@ class Reconnect:
         elif self.failures == 1 and isinstance(error, REFUSED):
             log.info("%s: not admitted by redis yet (%s); retrying", self._what, error)
         elif self.failures == 1:
-            log.warning("%s: redis unavailable (%s); retrying with backoff", self._what, error)
+            log.warning(
+                "%s: redis unavailable (%s); retrying with backoff", self._what, brief(error)
+            )
         else:
             log.debug(
                 "%s: attempt %d failed (%s); next in %.2fs",
                 self._what,
                 self.failures,
-                error,
+                brief(error),
                 delay_s,
             )
 
@@ -205,7 +227,7 @@ class Outage:
     def failed(self, error: Exception) -> None:
         self.failures += 1
         level = logging.WARNING if self.failures == 1 else logging.DEBUG
-        log.log(level, "%s failed (%s); %s", self._what, error, self._retry)
+        log.log(level, "%s failed (%s); %s", self._what, brief(error), self._retry)
 
     def ended(self) -> None:
         if self.failures:
