@@ -5,19 +5,25 @@ that replicas lock instead."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import redis
+from redis.client import Pipeline
 
 from broker.connect import lease_shard
 from broker.errors import TransportError
 from broker.fragments import owned_fragments, owner_shard
 from broker.identity.keys import RunKeys
+from broker.redis.link import is_transient
 from broker.redis.names import shard_key, term_key
 from broker.redis.server import RedisServer
 from broker.redis.shards import ShardLease
@@ -169,3 +175,38 @@ def test_over_zmq_each_replica_takes_a_free_shard_folder_and_a_standby_the_next_
     finally:
         first.kill()
         first.wait()
+
+
+def test_a_fenced_write_that_redis_does_not_answer_is_retried_not_a_crash(
+    server: RedisServer, keys: RunKeys
+) -> None:
+    """Redis frozen (SIGSTOP) right after a fenced write began to watch the
+    term: redis-py says WatchError, which crashed the syncer (a 30 s freeze in
+    CI); it is a connection error, which the syncer's link retries."""
+    lease = lease_shard(server.url, run_id=RUN, syncer_shards=1, holder="a", ttl_s=TTL_S, keys=keys)
+    assert lease is not None and server.proc is not None
+    pid = server.proc.pid
+    watch = Pipeline.watch
+
+    def watch_then_freeze(pipe: Pipeline, *names: str) -> object:
+        answer = watch(pipe, *names)
+        os.kill(pid, signal.SIGSTOP)  # the term's GET, next, gets no answer
+        return answer
+
+    try:
+        lease.take(5)
+        fence = lease.fence()
+        client = server.client(socket_timeout=0.5)
+        client.ping()
+        try:
+            with (
+                mock.patch.object(Pipeline, "watch", watch_then_freeze),
+                pytest.raises(redis.RedisError) as caught,
+            ):
+                fence.transaction(client)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert is_transient(caught.value), repr(caught.value)
+        fence.execute(fence.transaction(client))  # answered again: it goes through
+    finally:
+        lease.close()

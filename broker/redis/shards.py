@@ -84,8 +84,14 @@ class Fence:
         term moved on already. Run it with :meth:`execute`."""
         self._client = client  # to read the term again after a failed EXEC
         pipe = client.pipeline(transaction=True)
-        pipe.watch(self.key)
-        held = pipe.get(self.key)
+        try:
+            pipe.watch(self.key)
+            held = pipe.get(self.key)
+        except redis.WatchError:
+            # redis-py's word for a connection error (a timeout: Redis frozen)
+            # while it watches: nothing is written yet, and it is retried.
+            pipe.reset()
+            raise redis.ConnectionError("connection lost while watching the term") from None
         if held is None or int(held) != self.term:
             pipe.reset()
             self._refuse(held)
