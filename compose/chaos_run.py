@@ -43,6 +43,9 @@ from typing import Any, Protocol
 
 from broker.checks import check_choice, check_int, check_positive, require
 from broker.errors import ConfigError, DdilocoError
+from broker.identity.keys import REDIS_SENTINEL
+from broker.identity.tls import TLS_CA
+from broker.redis.users import SENTINEL_USER
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +242,8 @@ class DockerTargets:
         """Whether Redis server ``c`` answers ROLE as the primary (asked as the
         servers' user, whose password the sentinel profile gives it)."""
         ask = (
-            "redis-cli --tls --cacert /tls/tls.ca.crt --user ddiloco-sentinel "
-            '--pass "$(cat /tls/redis.sentinel)" --no-auth-warning --raw ROLE | head -n 1'
+            f"redis-cli --tls --cacert /tls/{TLS_CA} --user {SENTINEL_USER} "
+            f'--pass "$(cat /tls/{REDIS_SENTINEL})" --no-auth-warning --raw ROLE | head -n 1'
         )
         code, out = c.exec_run(["sh", "-c", ask], user="redis")
         return code == 0 and out.decode(errors="replace").strip() == "master"

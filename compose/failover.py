@@ -93,14 +93,14 @@ class FailoverRedis:
 
     def client(self, name: str) -> redis.Redis:
         """Server ``name`` as the servers' user."""
-        return redis.Redis(
-            port=self.ports[name], username=SENTINEL_USER, password=self._password,
-            ssl=True, ssl_ca_certs=str(self.keys / TLS_CA), socket_timeout=2,
-        )  # fmt: skip
+        return self._as_servers(self.ports[name])
 
     def sentinel(self, i: int) -> redis.Redis:
+        return self._as_servers(self.sentinel_ports[i])
+
+    def _as_servers(self, port: int) -> redis.Redis:
         return redis.Redis(
-            port=self.sentinel_ports[i], username=SENTINEL_USER, password=self._password,
+            port=port, username=SENTINEL_USER, password=self._password,
             ssl=True, ssl_ca_certs=str(self.keys / TLS_CA), socket_timeout=2,
         )  # fmt: skip
 

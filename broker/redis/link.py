@@ -132,8 +132,7 @@ def connect(
     if is_sentinel_url(url):
         address = parse_sentinel_url(url)
         if keys is not None and not address.tls:
-            log.warning("%s: redis in the clear, readable on the way; use rediss+sentinel://",
-                        ",".join(host for host, _ in address.sentinels))  # fmt: skip
+            _say_if_clear([host for host, _ in address.sentinels], "rediss+sentinel://")
         return connect_sentinel(address, socket_timeout_s, keys, user, retry=retry)
     options: dict[str, Any] = {}
     if user is not None:
@@ -141,11 +140,8 @@ def connect(
     if keys is not None and parts.scheme == "rediss":
         options |= {"ssl_ca_certs": str(keys.tls_ca()), "ssl_cert_reqs": "required",
                "ssl_check_hostname": True}  # fmt: skip
-    elif keys is not None and parts.scheme == "redis" and not _loopback(parts.hostname):
-        log.warning(
-            "%s: redis in the clear, readable on the way; use rediss:// (the run's keys "
-            "hold its CA)", parts.hostname,
-        )  # fmt: skip
+    elif keys is not None and parts.scheme == "redis":
+        _say_if_clear([parts.hostname], "rediss://")
     return redis.Redis.from_url(
         url,
         socket_timeout=socket_timeout_s,
@@ -154,6 +150,16 @@ def connect(
         decode_responses=False,
         **options,
     )
+
+
+def _say_if_clear(hosts: list[str | None], instead: str) -> None:
+    """Warn that keys travel in the clear to any of ``hosts`` off this host."""
+    away = [h for h in hosts if not _loopback(h)]
+    if away:
+        log.warning(
+            "%s: redis in the clear, readable on the way; use %s (the run's keys hold its CA)",
+            ",".join(str(h) for h in away), instead,
+        )  # fmt: skip
 
 
 def _loopback(host: str | None) -> bool:

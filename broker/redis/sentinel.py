@@ -16,19 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.sentinel import Sentinel
 
 from broker.errors import ConfigError
-from broker.identity.keys import JOIN_SECRET, REDIS_SENTINEL, read_secret_hex
+from broker.identity.keys import REDIS_SENTINEL, RunKeys, read_secret_hex
 from broker.identity.tls import REDIS_CERT, REDIS_KEY, TLS_CA
 from broker.redis.users import JOIN_USER, SENTINEL_USER, join_password, password_digest
-
-if TYPE_CHECKING:
-    from broker.identity.keys import RunKeys
 
 SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_CONF = "sentinel.conf"
@@ -142,7 +139,7 @@ def sentinel_conf(
     folder = Path(keys_folder)
     where = Path(files) if files is not None else folder
     servers_password = read_secret_hex(folder, REDIS_SENTINEL)
-    join = password_digest(join_password(bytes.fromhex(read_secret_hex(folder, JOIN_SECRET))))
+    join = password_digest(join_password(RunKeys.load(folder, "learner").join_secret))
     lines = [
         "port 0",
         f"tls-port {port}",
