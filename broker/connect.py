@@ -10,7 +10,7 @@ from typing import TypeVar
 import redis.exceptions
 import zmq
 
-from broker.errors import TransportError
+from broker.errors import ConfigError, TransportError
 from broker.identity.keys import Identity, RunKeys
 from broker.redis.access import lock_down_if_open
 from broker.redis.learner import RedisLearnerTransport
@@ -118,6 +118,7 @@ def connect_syncer(
     shard: int = 0,
     syncer_shards: int = 1,
     fence: Fence | None = None,
+    term: int = 0,
     identity_hold_s: float,
 ) -> SyncerTransport:
     """``max_message_bytes`` as for :func:`connect_learner`; ``num_fragments``
@@ -126,7 +127,9 @@ def connect_syncer(
     slots the syncer grants, at most (its roster cap). A ZeroMQ syncer binds
     its ``shard``'s endpoint of the URL (:func:`~broker.zmq.addressing.shard_endpoint`).
     ``identity_hold_s``: how long a learner id stays bound to its key once the
-    key is silent (the run's :attr:`~broker.run.settings.RunSettings.gone_after_s`)."""
+    key is silent (the run's :attr:`~broker.run.settings.RunSettings.gone_after_s`).
+    ``fence`` (Redis) or ``term`` (ZeroMQ, where it goes on every ack): the
+    shard's lease, from :func:`lease_shard`."""
     parsed = parse_url(url)
     options = _options(parsed, max_message_bytes)
     transport: SyncerTransport
@@ -143,6 +146,7 @@ def connect_syncer(
                 identity_hold_s=identity_hold_s,
                 keys=keys,
                 roster_cap=roster_cap,
+                term=term,
             ),  # fmt: skip
         )
     else:
@@ -166,16 +170,33 @@ def connect_syncer(
 
 
 def lease_shard(
-    url: str, *, run_id: str, syncer_shards: int, holder: str, ttl_s: float, keys: RunKeys | None
+    url: str,
+    *,
+    lease_store: str = "",
+    run_id: str,
+    syncer_shards: int,
+    holder: str,
+    ttl_s: float,
+    keys: RunKeys | None,
 ) -> ShardLease | None:
     """A syncer shard's lease, to take from Redis (:meth:`ShardLease.take`: a
     free index or a given one, waiting as a standby while it is held; its
-    term fences the syncer's writes): see :mod:`broker.redis.shards`. None
-    over ZeroMQ, which has no server to hold one: there the syncer takes the
-    first shard whose checkpoint folder no live syncer holds."""
+    term fences the syncer's writes): see :mod:`broker.redis.shards`. A
+    Redis run's own Redis holds it; a ZeroMQ run's, the Redis of
+    ``lease_store``. None for a ZeroMQ run without one: there the syncer takes
+    the first shard whose checkpoint folder no live syncer holds."""
+    run_is_redis = isinstance(parse_url(url).options, RedisOptions)
+    if lease_store and run_is_redis:
+        raise ConfigError(
+            "lease_store is for ZeroMQ runs: a Redis run's syncers lease their shards "
+            "from the run's Redis"
+        )
+    if not lease_store and not run_is_redis:
+        return None
+    url = lease_store or url
     parsed = parse_url(url)
     if not isinstance(parsed.options, RedisOptions):
-        return None
+        raise ConfigError(f"lease_store={shown(url)}: give a redis:// or rediss:// URL")
     timeout_s = parsed.options.socket_timeout_s
     user = None
     if keys is not None and keys.redis_password is not None:

@@ -42,6 +42,8 @@ class RoundCloser:
         crash_point: Callable[[str], None],
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
+        term: int = 0,
+        confirm: Callable[[], None] = lambda: None,
     ) -> None:
         self.states = states
         self.run_id = run_id
@@ -56,6 +58,11 @@ class RoundCloser:
         self.crash_point = crash_point
         self.clock = clock
         self.wall_clock = wall_clock
+        # The shard's lease: its term goes on every global, and confirm() comes
+        # before every write that leaves the process (it raises once another
+        # syncer holds the shard).
+        self.term = term
+        self.confirm = confirm
         self._published_at: dict[int, float] = {}  # clock() of each fragment's last publish
 
     def close_ready(self, now: float) -> None:
@@ -75,6 +82,7 @@ class RoundCloser:
 
     def _answer(self, refs: list[Inbound], refused: list[tuple[str, int, int]]) -> None:
         """Acknowledge a closed round's deltas, except those its quarantine refused."""
+        self.confirm()
         keys = set(refused)
         to_ack = []
         for ref in refs:
@@ -129,6 +137,7 @@ class RoundCloser:
         """Make fragment p's new version durable: its change appended to the log,
         or every ``full_every`` rounds (and for a version published whole) its
         full state. Returns the bytes written."""
+        self.confirm()
         state = self.states[p]
         logged = self._logged.get(p, 0)
         if state.publication.is_change and logged + 1 < self.full_every:
@@ -165,6 +174,7 @@ class RoundCloser:
     def publish(self, p: int, announce: bool = False) -> None:
         """Publish fragment p's version; ``announce``: without its weights (learners
         that hold it, nearly all, need nothing; the others fetch the snapshot)."""
+        self.confirm()
         self._published_at[p] = self.clock()
         state = self.states[p]
 
@@ -177,6 +187,7 @@ class RoundCloser:
                 version=state.version,
                 change_from=state.version - 1 if publication.is_change else -1,
                 weights_crc=publication.weights_crc,
+                term=self.term,
                 codec=publication.codec,
                 numel=state.numel,
                 payload=publication.payload,

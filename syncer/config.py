@@ -81,6 +81,9 @@ class SyncerConfig:
     # Without it, a syncer whose checkpoint folder lacks fragments the broker holds
     # globals of refuses to start: it would throw the run's progress away.
     new_epoch: bool = False  # start over from the initial model though the broker has globals
+    # ZeroMQ runs: a Redis URL whose leases and terms fence each shard's syncer,
+    # as Redis runs' own Redis does (broker/redis/shards.py). Empty: none.
+    lease_store: str = ""  # ZeroMQ runs: redis:// or rediss:// URL of the shards' leases
     crash_at: str = ""  # fault tests: SIGKILL this process the first time it reaches this point
     # Fault tests: SIGSTOP this process the first time it reaches this point (the
     # test acts on the world, say kills Redis, then SIGCONTs it).

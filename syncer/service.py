@@ -147,6 +147,7 @@ class Syncer:
             if transport is not None
             else lease_shard(
                 run.url,
+                lease_store=cfg.lease_store,
                 run_id=run.run_id,
                 syncer_shards=run.syncer_shards,
                 # auto: in a container its id and pid 1, the same after a restart.
@@ -157,7 +158,7 @@ class Syncer:
             )
         )
         try:
-            if lease is not None:  # Redis: every shard is served under a lease and its term
+            if lease is not None:  # Redis, or a lease store: a lease and its term
                 self.shard_lease = lease
                 self.shard = lease.take(only=fixed)
             elif fixed is not None:
@@ -218,7 +219,10 @@ class Syncer:
         if resumed:
             log.info("resumed fragments from %s: %s", self.checkpoint_dir, ", ".join(resumed))
         # Redis: every write that publishes or acknowledges checks the shard's term.
-        self.fence = None if self.shard_lease is None else self.shard_lease.fence()
+        self.fence = (
+            None if self.shard_lease is None or cfg.lease_store else self.shard_lease.fence()
+        )
+        term = 0 if self.shard_lease is None else self.shard_lease.term
         self.transport = transport or connect_syncer(
             run.url,
             run_id=run.run_id,
@@ -231,6 +235,7 @@ class Syncer:
             shard=self.shard,
             syncer_shards=run.syncer_shards,
             fence=self.fence,
+            term=term,
             identity_hold_s=run.gone_after_s,
         )
         rebuilt = (
@@ -269,6 +274,8 @@ class Syncer:
             crash_point=self._crash_point,
             clock=self.clock,
             wall_clock=self.wall_clock,
+            term=term,
+            confirm=self.shard_lease.confirm if self.shard_lease is not None else lambda: None,
         )
         self.stop_requested = threading.Event()
         self.drain_requested = threading.Event()
@@ -322,9 +329,11 @@ class Syncer:
         except Fenced as e:
             # Another syncer serves the shard now: stop without writing anything
             # more (no drain, no last publish), as a crash would.
-            assert self.fence is not None
+            lease = self.shard_lease
+            assert lease is not None
+            refused = lease.refused + (0 if self.fence is None else self.fence.refused)
             log.error("%s", e)
-            self.metrics.event("fenced", term=self.fence.term, refused_writes=self.fence.refused)
+            self.metrics.event("fenced", term=lease.term, refused_writes=refused)
             self.metrics.close()
             raise
         self.shutdown()

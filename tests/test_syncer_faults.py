@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from broker.connect import connect_learner
+from broker.connect import connect_learner, lease_shard
 from broker.identity.keys import RunKeys
 from broker.redis.frames import FIELD
 from broker.redis.names import globals_stream_key
@@ -475,6 +475,58 @@ def test_a_syncer_frozen_past_its_lease_is_fenced_when_it_wakes(
     for g in globals_in_redis(compose_redis):
         assert published.setdefault((g.fragment, g.version), g.weights_crc) == g.weights_crc
     check_applied_once(learners, 0)
+
+
+@pytest.mark.timeout(180)
+def test_a_zmq_syncer_frozen_past_its_lease_writes_nothing_when_it_wakes(
+    tmp_path: Path, compose_redis: RedisServer
+) -> None:
+    """Split brain over ZeroMQ, with a lease store (a Redis as compose starts
+    it). The active syncer freezes in the middle of a round (SIGSTOP after its
+    merge) past its lease, and a syncer of another host takes the shard under
+    the next term. Let go (SIGCONT), the old syncer writes nothing: no
+    checkpoint, no global, no ack; it counts the refused write and stops."""
+    url = f"zmq://127.0.0.1:{free_port_pair()}?ack_timeout_s=0.5"
+    write_initial_model(tmp_path)
+    active = SyncerProcess(tmp_path, url)
+    active.start("--pause-at", "after_update", "--lease-store", compose_redis.url)
+    learners = TwoLearners(url, active)
+    successor = lease_shard(
+        url, lease_store=compose_redis.url, run_id="faults", syncer_shards=1,
+        holder="another-host:1", ttl_s=3.0, keys=RunKeys.load(run_keys(), "syncer"),
+    )  # fmt: skip
+    assert successor is not None
+    try:
+        assert active.proc is not None
+        wait_until(
+            lambda: learners.turn() or stopped(active.proc.pid),  # type: ignore[union-attr]
+            60, interval_s=0.1, what="the active syncer frozen in its first round",
+        )  # fmt: skip
+        written = {f: f.stat().st_mtime_ns for f in active.checkpoint_dir.rglob("*")}
+        versions = {p: g.version for p, g in learners.latest.items()}
+        unacked = {n: t.unacked for n, t in learners.transports.items()}
+        assert sum(unacked.values()) > 0  # the frozen round's deltas
+        assert successor.take(timeout_s=30, only=0) == 0 and successor.term == 2
+        active.proc.send_signal(signal.SIGCONT)
+        wait_until(
+            lambda: learners.turn() or active.returncode() is not None,
+            30, interval_s=0.1, what="the woken syncer to stop",
+        )  # fmt: skip
+        assert active.returncode() == 2  # it stopped, saying why
+        for _ in range(10):  # anything it sent would have arrived by now
+            learners.turn()
+    finally:
+        successor.close()
+        learners.close()
+        active.stop()
+
+    fenced = [e for e in active.events() if e["event"] == "fenced"]
+    assert len(fenced) == 1 and fenced[0]["refused_writes"] == 1 and fenced[0]["term"] == 1
+    assert "another syncer took it over" in (tmp_path / "syncer.log").read_text()
+    assert {f: f.stat().st_mtime_ns for f in active.checkpoint_dir.rglob("*")} == written
+    assert {p: g.version for p, g in learners.latest.items()} == versions
+    assert {n: t.unacked for n, t in learners.transports.items()} == unacked
+    assert not active.events_rounds()  # the frozen round was never finished
 
 
 def joiner_versions(url: str) -> dict[int, int]:

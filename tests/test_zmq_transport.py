@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from broker.redis.server import free_port
-from broker.transport import Backpressure
+from broker.transport import Backpressure, Inbound
 from broker.wire import messages as wire
 from broker.wire.codecs import Codec
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat
@@ -620,3 +620,72 @@ def test_snapshot_requests_cost_one_fragment_per_peer_and_interval() -> None:
         raw.close(0)
         ctx.term()
         syncer.close()
+
+
+def test_terms_admit_the_highest_taken_and_refuse_lower_ones() -> None:
+    from broker.transport import Terms, TransportStats
+
+    stats = TransportStats()
+    terms = Terms(stats)
+    assert terms.admits(0, 0) and terms.admits(0, 2) and terms.admits(0, 2)
+    assert not terms.admits(0, 1) and stats.rejected["lower_term"] == 1
+    assert terms.admits(1, 1)  # each key its own
+    assert terms.admits(0, 3) and not terms.admits(0, 2)
+    assert stats.rejected["lower_term"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_syncer_whose_shard_was_taken_over_is_not_heard() -> None:
+    """A syncer that wakes after another took its shard over (a later term)
+    publishes and acknowledges from the same endpoint: the learner, which took
+    the successor's term, takes neither its globals nor its acks (an ack of a
+    delta the run never merged would lose it); the successor's ack counts."""
+    from dataclasses import replace
+
+    bind = endpoint()
+    syncers = [ZmqSyncerTransport(bind, RUN, [0], identity_hold_s=15.0, term=2)]
+    learner = ZmqLearnerTransport([bind], RUN, "l", 1, 1)
+    refused = learner.stats.rejected
+    try:
+
+        def heard(syncer: ZmqSyncerTransport, version: int, term: int) -> bool:
+            syncer.publish(replace(global_fragment(0, version), term=term))
+            return bool(take_globals(learner, 0.05))
+
+        def received(syncer: ZmqSyncerTransport) -> list[Inbound]:
+            learner.poll(0.02)  # resends what is due
+            return syncer.receive(0.05)
+
+        wait_until(lambda: heard(syncers[0], 5, 2), 10, what="the successor's global")
+        syncers[0].close()
+        woken = ZmqSyncerTransport(bind, RUN, [0], identity_hold_s=15.0, term=1)
+        syncers.append(woken)
+
+        def refused_a_global() -> bool:
+            assert not heard(woken, 6, 1), "a global of a lower term was taken"
+            return refused["lower_term"] > 0
+
+        wait_until(refused_a_global, 10, what="the woken syncer's global to be refused")
+        learner.send_delta(delta("l", 1, 0))
+        got = wait_until(lambda: received(woken), 10, what="the delta at the woken syncer")
+        before = refused["lower_term"]
+        woken.ack(got)
+        wait_until(
+            lambda: take_globals(learner, 0.05) == [] and refused["lower_term"] > before,
+            10,
+            what="the woken syncer's ack to be refused",
+        )
+        assert learner.unacked == 1  # still owed: resent to whoever holds the shard
+        woken.close()
+        back = ZmqSyncerTransport(bind, RUN, [0], identity_hold_s=15.0, term=2)
+        syncers.append(back)
+        back.ack(wait_until(lambda: received(back), 20, what="the delta resent"))
+        wait_until(
+            lambda: take_globals(learner, 0.05) == [] and learner.unacked == 0,
+            10,
+            what="the successor's ack",
+        )
+    finally:
+        learner.close()
+        for syncer in syncers:
+            syncer.close()

@@ -21,10 +21,17 @@ even when it wakes from a freeze (SIGSTOP, a VM paused) before it learns that
 its lease ran out.
 
 A thread renews the lease with its own connection, so a long round never
-lets it run out. A holder whose lease ran out while nobody took the index
-(it was frozen, or Redis was out of its reach) takes it back under the same
-term. Should it be lost (another holder took the index, or held it
-meanwhile), :attr:`ShardLease.lost` is set and the syncer stops at once.
+lets it run out. Before each write that leaves the process (a checkpoint, a
+publish, an ack), the syncer calls :meth:`ShardLease.confirm`: it returns at
+once while a renewal less than a lease ago said the shard is this holder's,
+and otherwise asks the store first. A syncer that wakes from a freeze past its
+lease so learns that another took its shard before it writes anything; over
+ZeroMQ, where no store stands between a syncer and the learners, that is the
+fence (with the term each global and ack carries, which learners check).
+A holder whose lease ran out while nobody took the index (it was frozen, or
+Redis was out of its reach) takes it back under the same term. Should it be
+lost (another holder took the index, or held it meanwhile),
+:attr:`ShardLease.lost` is set and the syncer stops at once.
 """
 
 from __future__ import annotations
@@ -149,6 +156,11 @@ class ShardLease:
         self.shard = -1
         self.term = 0  # the tenure it is held under, once taken
         self.lost = threading.Event()
+        self.refused = 0  # writes confirm() refused: another syncer holds the shard
+        # monotonic time until which the last renewal vouches for the lease: it
+        # was asked for at that time less ttl_s, so it ran out no earlier.
+        self._confirmed_until = 0.0
+        self._asking = threading.Lock()  # the renewing thread and confirm()
         self._take = client.register_script(_TAKE)
         self._release = client.register_script(_RELEASE)
         self._stop = threading.Event()
@@ -162,7 +174,12 @@ class ShardLease:
             int(self.ttl_s * 1000),
             self.term if shard == self.shard else 0,
         ]
-        return int(self._take(keys=keys, args=args))
+        with self._asking:
+            asked = time.monotonic()
+            term = int(self._take(keys=keys, args=args))
+            if term and (shard != self.shard or term == self.term):
+                self._confirmed_until = asked + self.ttl_s
+            return term
 
     def fence(self) -> Fence:
         """The fence of the shard taken, at its term."""
@@ -247,6 +264,41 @@ class ShardLease:
                     else f"another syncer held it meanwhile (term {term})"
                 )
                 return
+
+    def confirm(self) -> None:
+        """Return once the shard is known to be this holder's now: at once while
+        the last renewal vouches for it, else after asking the store (waiting
+        while it is out of reach: nobody can take the shard meanwhile without
+        it). Raises :class:`Fenced`, and counts a refused write, once another
+        syncer holds or held the shard."""
+        said = False
+        while not self.lost.is_set():
+            if time.monotonic() < self._confirmed_until:
+                return
+            try:
+                term = transient_call(lambda: self._try(self.shard))
+            except redis.RedisError as e:
+                self._lose(f"not confirmed: {e}")
+                break
+            if isinstance(term, Failed):
+                if not said:
+                    log.warning(
+                        "shard %d: its lease is not confirmed (%s): nothing is written "
+                        "until it is", self.shard, term.error,
+                    )  # fmt: skip
+                    said = True
+                time.sleep(min(1.0, self.ttl_s / 4))
+            elif term != self.term:
+                self._lose(
+                    "another syncer holds it now"
+                    if not term
+                    else f"another syncer held it meanwhile (term {term})"
+                )
+        self.refused += 1
+        raise Fenced(
+            f"shard {self.shard}'s lease is lost (term {self.term}): another syncer took "
+            "it over; this one writes nothing more"
+        )
 
     def _lose(self, why: str) -> None:
         log.error("lease of shard %d lost: %s", self.shard, why)

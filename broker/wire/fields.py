@@ -105,6 +105,7 @@ FIELD_CHECKS = {
     "base_epoch": _check_uint,
     "epoch": _check_uint,
     "version": _check_uint,
+    "term": _check_uint,
     "change_from": _check_version_or_none,
     "weights_crc": _check_uint,
     "step": _check_uint,

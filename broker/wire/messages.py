@@ -34,8 +34,9 @@ except ImportError:  # a platform without isal's wheel
     from zlib import crc32
 
 # 2: globals carry their syncer epoch, deltas their base's; 3: a global may be a
-# change, and names the checksum of the weights it makes
-SCHEMA_VERSION = 5
+# change, and names the checksum of the weights it makes; 6: globals and acks
+# carry their syncer's term
+SCHEMA_VERSION = 6
 MAGIC = b"DDL1"
 _PREFIX = struct.Struct("<4sII")
 _CRC = struct.Struct("<I")
@@ -152,6 +153,10 @@ class GlobalFragment(_TensorMessage):
     # CRC-32 of the fp32 bytes of this version's weights (weights_checksum): a
     # receiver whose rebuilt version differs notices, and fetches the snapshot.
     weights_crc: int = 0
+    # The term its syncer holds the fragment's shard under (0: no lease). A
+    # learner refuses a global or an ack of a lower term than one it took: a
+    # syncer that woke after another took its shard over is heard no more.
+    term: int = 0
     # The syncers' Ed25519 signature (hex) of everything above and the payload
     # (broker.identity.signing.signing_digest); learners with the run's keys check it
     # before anything is applied. Empty: unsigned (a run without keys).
@@ -204,6 +209,7 @@ class Ack(Message):
     learner_id: str = ""
     incarnation: int = 0
     seqs: list[int] = field(default_factory=list)
+    term: int = 0  # as GlobalFragment.term
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 import zmq
 
 from broker.identity.signing import GlobalVerifier
-from broker.transport import TransportStats
+from broker.transport import Terms, TransportStats
 from broker.wire.messages import Ack, GlobalFragment, LeaseGrant, Refusal
 from broker.zmq.addressing import ShardSockets
 from broker.zmq.curve import IDENTITY_REFUSALS
@@ -58,6 +58,8 @@ class LearnerInbound:
         self._candidates = candidates
         self._leases = leases
         self._refused = refused
+        # Per shard (its sockets): the highest term of its globals and acks taken.
+        self._terms = Terms(stats)
         # While snapshot() runs: the weights the caller holds.
         self.held: Mapping[int, Any] = {}
 
@@ -77,9 +79,12 @@ class LearnerInbound:
                     continue
                 frames = parts if sock in dealers else parts[1:]  # past the topic
                 msg = decode_frames(frames, self._max_message_bytes, self._stats)
+                shard = dealers.index(sock) if sock in dealers else subs.index(sock)
                 if isinstance(msg, GlobalFragment):
                     if self._verifier is not None and not self._verifier.verify(msg):
                         self._stats.rejected["bad_signature"] += 1
+                        continue
+                    if not self._terms.admits(shard, msg.term):
                         continue
                     if msg.is_weightless and sock in subs:
                         self._candidates.announced(msg)
@@ -94,7 +99,8 @@ class LearnerInbound:
                         self._requests.answered(msg.fragment)
                     self._candidates.offer(msg)
                 elif isinstance(msg, Ack):
-                    self._deltas.acked(msg)
+                    if self._terms.admits(shard, msg.term):
+                        self._deltas.acked(msg)
                 elif isinstance(msg, LeaseGrant) and msg.run_id == self._run_id:
                     self._leases.granted(msg)
                 elif isinstance(msg, Refusal):

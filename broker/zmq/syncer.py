@@ -112,8 +112,10 @@ class ZmqSyncerTransport(SyncerTransport):
         identity_hold_s: float,
         keys: RunKeys | None = None,
         roster_cap: int = MAX_LEARNER_SLOTS,
+        term: int = 0,  # the shard's term (its lease's), on every ack
     ) -> None:
         check_positive("identity_hold_s", identity_hold_s)
+        self.term = term
         max_message_bytes, send_hwm = options.max_message_bytes, options.send_hwm
         self.run_id = run_id
         self.fragments = set(fragments)
@@ -214,6 +216,7 @@ class ZmqSyncerTransport(SyncerTransport):
                     learner_id=learner_id,
                     incarnation=incarnation,
                     seqs=batch[start : start + MAX_LIST_LEN],
+                    term=self.term,
                 )
                 self._send_to(identity, (wire.encode(ack),))
 
