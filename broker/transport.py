@@ -291,6 +291,13 @@ class SyncerTransport(abc.ABC):
         read again where they are the latest (as :meth:`LearnerTransport.snapshot`)."""
         return {}
 
+    def serves(self, fragment: int, epoch: int, version: int) -> bool:
+        """Whether the broker gives joiners this version of ``fragment`` already,
+        as :meth:`resume_points` read it (Redis keeps snapshots): a syncer that
+        starts need not publish it again, and its next change follows it. A
+        broker that keeps no snapshots (ZeroMQ) serves none."""
+        return False
+
     @abc.abstractmethod
     def announce(self, fragment: GlobalFragment, resume: bytes = b"") -> None:
         """Tell every learner the published version of a fragment (``fragment``:

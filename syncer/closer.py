@@ -164,6 +164,15 @@ class RoundCloser:
             if now - self._published_at.get(p, now) >= period_s and not state.pending_learners:
                 self.publish(p, announce=True)
 
+    def publish_at_start(self) -> None:
+        """Joiners and restarted learners need each fragment's snapshot at once:
+        published, unless the broker gives them this version already."""
+        for p, state in self.states.items():
+            if self.transport.serves(p, state.epoch, state.version):
+                self._published_at[p] = self.clock()  # for republish_idle
+            else:
+                self.publish(p)
+
     def republish_lost(self) -> None:
         """Publish again, whole, each fragment whose snapshot the broker lost (a
         Redis restart or failover): learners that missed a version fetch it,
@@ -197,7 +206,7 @@ class RoundCloser:
         snapshot = state.snapshot
         published = state.publication
         # Where the broker keeps snapshots, a successor without this checkpoint
-        # resumes from the version and this state (Syncer._rebuild_from_broker).
+        # resumes from the version and this state (syncer.recovery.rebuild_from_broker).
         resume = msgpack.packb(state.meta(), use_bin_type=True)
         if announce:
             self.transport.announce(message(snapshot), resume)

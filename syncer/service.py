@@ -249,9 +249,14 @@ class Syncer:
             self._refuse_to_forget(unrebuilt)
         # Version 0 is durable before it is published, like every later one: a
         # syncer killed before its first round comes back in the same epoch
-        # instead of refusing every delta in flight (wrong_epoch).
-        for p in sorted(set(fresh) | set(rebuilt)):
+        # instead of refusing every delta in flight (wrong_epoch). A rebuilt
+        # version is durable in the broker already: its full state is written
+        # at its first round (a successor killed before it rebuilds again),
+        # not before the syncer serves (2 GB at 250M parameters).
+        for p in sorted(set(fresh) - set(rebuilt)):
             save_fragment(self.checkpoint_dir, p, *self.states[p].state())
+        for p in rebuilt:
+            logged[p] = cfg.full_checkpoint_every
         self.metrics = SyncerMetrics(cfg.metrics_port, cfg.metrics_file, run.metrics_host)
         # After a restart, the learners the checkpoint has applied deltas of.
         members = {name for s in self.states.values() for name in s.applied}
@@ -279,8 +284,7 @@ class Syncer:
         )
         self.stop_requested = threading.Event()
         self.drain_requested = threading.Event()
-        for p in self.owned:  # joiners and restarted learners need a snapshot at once
-            self.closer.publish(p)
+        self.closer.publish_at_start()
 
     def _refuse_to_forget(self, fresh: list[int]) -> None:
         """A syncer without a checkpoint for fragments whose globals the broker

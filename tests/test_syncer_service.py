@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 
 from broker.errors import ConfigError
 from broker.identity.keys import RunKeys
-from broker.redis.names import resume_key
+from broker.redis.names import changes_key, globals_stream_key, model_key, resume_key
 from broker.redis.server import RedisServer, free_port
 from broker.redis.users import SYNCER_USER
 from broker.run.settings import GONE_AFTER_HEARTBEATS, RunSettings
@@ -31,7 +31,7 @@ from compose.processes import free_port_pair
 from learner.config import WorkloadConfig
 from learner.model import ModelConfig
 from learner.workload import write_initial
-from syncer.checkpoint import fragment_path
+from syncer.checkpoint import fragment_path, load_fragment
 from syncer.config import OuterConfig, SyncerConfig
 from syncer.service import Syncer
 from tests.servers import run_keys, take_globals, wait_until
@@ -457,3 +457,37 @@ def test_a_syncer_without_its_checkpoint_rebuilds_from_redis_and_never_throws_a_
     )
     assert told.states[0].epoch != epoch
     told.shutdown()
+
+
+def test_a_successor_writes_nothing_redis_holds_before_its_first_round(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A syncer that takes a shard over from Redis (its host's disk lost) serves
+    without writing the weights Redis holds again (1 GB at 250M parameters)
+    or its full checkpoint (2 GB): its next change follows the list Redis
+    holds, and its first round writes the full state to its own folder."""
+    first = make_syncer(tmp_path, 0, url=redis_server.url)
+    first.handle([delta_on(first, "a", 1, 0.1), delta_on(first, "b", 1, 0.1)])
+    assert first.states[0].version == 1
+    first.shutdown()
+    admin = redis.Redis.from_url(
+        redis_server.url,
+        username=SYNCER_USER,
+        password=RunKeys.load(run_keys(), "syncer").redis_password,
+    )
+    weights, stream = admin.get(model_key("svc", 0)), admin.xlen(globals_stream_key("svc"))
+    listed = admin.llen(changes_key("svc", 0))
+    successor = make_syncer(tmp_path, 0, url=redis_server.url, checkpoint_dir=str(tmp_path / "a"))
+    try:
+        assert successor.states[0].version == 1
+        assert admin.get(model_key("svc", 0)) == weights
+        assert admin.xlen(globals_stream_key("svc")) == stream  # nothing published
+        assert load_fragment(tmp_path / "a", 0) is None
+        successor.handle([delta_on(successor, "a", 2, 0.1), delta_on(successor, "b", 2, 0.1)])
+        assert successor.states[0].version == 2
+        assert admin.get(model_key("svc", 0)) == weights  # the change went to the list
+        assert admin.llen(changes_key("svc", 0)) == listed + 1
+        saved = load_fragment(tmp_path / "a", 0)
+        assert saved is not None and saved[1]["version"] == 2
+    finally:
+        successor.shutdown()

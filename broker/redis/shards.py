@@ -10,7 +10,7 @@ fixed index it takes that one, under its host name and checkpoint folder
 (which its lock keeps to one live process per host). A syncer that finds its
 shard held waits as a standby, taking nothing, and takes it once the lease
 runs out: on any host, since a syncer without a checkpoint rebuilds from the
-state Redis keeps (``Syncer._rebuild_from_broker``).
+state Redis keeps (``syncer.recovery.rebuild_from_broker``).
 
 Each new tenure of a shard's lease (a holder that did not hold it already)
 adds one to the shard's term (:func:`~broker.redis.names.term_key`), which

@@ -43,6 +43,7 @@ from broker.redis.link import RedisLink, connect
 from broker.redis.names import (
     NOTICES_MAXLEN,
     NOTICES_TTL_S,
+    changes_key,
     heartbeat_key,
     notices_key,
     resume_key,
@@ -339,15 +340,25 @@ class RedisSyncerTransport(SyncerTransport):
 
         def read() -> dict[int, tuple[GlobalFragment, bytes]]:
             latest = self._snapshots.load(fragments, held or {})[0]
-            keys = [resume_key(self.run_id, p) for p in fragments]
-            states = cast(list[bytes | None], self._link.client.mget(keys))
-            return {
-                p: (latest[p], state)
-                for p, state in zip(fragments, states, strict=True)
-                if p in latest and state
-            }
+            pipe = self._link.client.pipeline(transaction=False)
+            pipe.mget([resume_key(self.run_id, p) for p in fragments])
+            for p in fragments:
+                pipe.llen(changes_key(self.run_id, p))
+            replies = pipe.execute()
+            states = cast(list[bytes | None], replies[0])
+            found = {}
+            for p, state, listed in zip(fragments, states, replies[1:], strict=True):
+                if p in latest and state:
+                    found[p] = (latest[p], state)
+                    # This shard's syncer (under its lease) writes nothing else:
+                    # its next change follows what Redis holds.
+                    self._publisher.follow(latest[p], int(listed))
+            return found
 
         return self._link.call_within(self._socket_timeout_s, read, "resume points")
+
+    def serves(self, fragment: int, epoch: int, version: int) -> bool:
+        return self._publisher.holds(fragment, (epoch, version))
 
     def publish(
         self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None, resume: bytes = b""
