@@ -411,6 +411,24 @@ def globals_in_redis(server: RedisServer) -> list[GlobalFragment]:
     return [decode(fields[FIELD]) for _, fields in entries]
 
 
+def frozen_in_first_round(syncer: SyncerProcess, learners: TwoLearners) -> None:
+    """Drive the learners until ``syncer`` (started with ``--pause-at``) stops itself."""
+    proc = syncer.proc
+    assert proc is not None
+    wait_until(
+        lambda: learners.turn() or stopped(proc.pid),
+        60, interval_s=0.1, what="the active syncer frozen in its first round",
+    )  # fmt: skip
+
+
+def assert_fenced_once(syncer: SyncerProcess) -> None:
+    """The syncer woke under term 1 after another took its shard: one write
+    refused, and its log says why."""
+    fenced = [e for e in syncer.events() if e["event"] == "fenced"]
+    assert len(fenced) == 1 and fenced[0]["refused_writes"] == 1 and fenced[0]["term"] == 1
+    assert "another syncer took it over" in (syncer.tmp_path / "syncer.log").read_text()
+
+
 @pytest.mark.timeout(180)
 def test_a_syncer_frozen_past_its_lease_is_fenced_when_it_wakes(
     tmp_path: Path, compose_redis: RedisServer
@@ -432,11 +450,7 @@ def test_a_syncer_frozen_past_its_lease_is_fenced_when_it_wakes(
     standby = SyncerProcess(tmp_path / "standby", url)
     learners = TwoLearners(url, active)
     try:
-        assert active.proc is not None
-        wait_until(
-            lambda: learners.turn() or stopped(active.proc.pid),  # type: ignore[union-attr]
-            60, interval_s=0.1, what="the active syncer frozen in its first round",
-        )  # fmt: skip
+        frozen_in_first_round(active, learners)
         standby.start()
         learners.syncer = standby
         wait_until(
@@ -462,9 +476,7 @@ def test_a_syncer_frozen_past_its_lease_is_fenced_when_it_wakes(
         standby.stop()
         active.stop()
 
-    fenced = [e for e in active.events() if e["event"] == "fenced"]
-    assert len(fenced) == 1 and fenced[0]["refused_writes"] == 1 and fenced[0]["term"] == 1
-    assert "another syncer took it over" in (tmp_path / "syncer.log").read_text()
+    assert_fenced_once(active)
     assert (
         "rebuilt from the broker's latest globals"
         in (tmp_path / "standby" / "syncer.log").read_text()
@@ -497,11 +509,7 @@ def test_a_zmq_syncer_frozen_past_its_lease_writes_nothing_when_it_wakes(
     )  # fmt: skip
     assert successor is not None
     try:
-        assert active.proc is not None
-        wait_until(
-            lambda: learners.turn() or stopped(active.proc.pid),  # type: ignore[union-attr]
-            60, interval_s=0.1, what="the active syncer frozen in its first round",
-        )  # fmt: skip
+        frozen_in_first_round(active, learners)
         written = {f: f.stat().st_mtime_ns for f in active.checkpoint_dir.rglob("*")}
         versions = {p: g.version for p, g in learners.latest.items()}
         unacked = {n: t.unacked for n, t in learners.transports.items()}
@@ -520,9 +528,7 @@ def test_a_zmq_syncer_frozen_past_its_lease_writes_nothing_when_it_wakes(
         learners.close()
         active.stop()
 
-    fenced = [e for e in active.events() if e["event"] == "fenced"]
-    assert len(fenced) == 1 and fenced[0]["refused_writes"] == 1 and fenced[0]["term"] == 1
-    assert "another syncer took it over" in (tmp_path / "syncer.log").read_text()
+    assert_fenced_once(active)
     assert {f: f.stat().st_mtime_ns for f in active.checkpoint_dir.rglob("*")} == written
     assert {p: g.version for p, g in learners.latest.items()} == versions
     assert {n: t.unacked for n, t in learners.transports.items()} == unacked
