@@ -102,23 +102,22 @@ class TransportStats:
 
 
 class Terms:
-    """The highest syncer term a learner took, per key (a shard, or a fragment,
-    which one shard owns for the whole run). A syncer's term grows with each
-    tenure of its shard's lease: a global or an ack of a lower term than one
-    taken comes from a syncer that another took over from (woken from a freeze,
-    say), and is refused, counted as ``lower_term``."""
+    """The highest syncer term a learner took, per shard. A syncer's term grows
+    with each tenure of its shard's lease: a global or an ack of a lower term
+    than one taken comes from a syncer that another took over from (woken from
+    a freeze, say), and is refused, counted as ``lower_term``."""
 
     def __init__(self, stats: TransportStats) -> None:
         self._stats = stats
         self._taken: dict[int, int] = {}
 
-    def admits(self, key: int, term: int) -> bool:
-        """Whether a message of ``term`` about ``key`` may be taken (then ``term``
-        is the lowest taken from now on)."""
-        if term < self._taken.get(key, 0):
+    def admits(self, shard: int, term: int) -> bool:
+        """Whether a message of ``term`` from ``shard`` may be taken (then ``term``
+        is the lowest taken from it from now on)."""
+        if term < self._taken.get(shard, 0):
             self._stats.rejected["lower_term"] += 1
             return False
-        self._taken[key] = term
+        self._taken[shard] = term
         return True
 
 

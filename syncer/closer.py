@@ -42,8 +42,8 @@ class RoundCloser:
         crash_point: Callable[[str], None],
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
-        term: int = 0,
-        confirm: Callable[[], None] = lambda: None,
+        term: int,
+        confirm: Callable[[], None],
     ) -> None:
         self.states = states
         self.run_id = run_id

@@ -257,12 +257,7 @@ class ShardLease:
                 outage.failed(term.error)
                 continue
             outage.ended()
-            if term != self.term:
-                self._lose(
-                    "another syncer holds it now"
-                    if not term
-                    else f"another syncer held it meanwhile (term {term})"
-                )
+            if self._lost_to(term):
                 return
 
     def confirm(self) -> None:
@@ -288,17 +283,25 @@ class ShardLease:
                     )  # fmt: skip
                     said = True
                 time.sleep(min(1.0, self.ttl_s / 4))
-            elif term != self.term:
-                self._lose(
-                    "another syncer holds it now"
-                    if not term
-                    else f"another syncer held it meanwhile (term {term})"
-                )
+            else:
+                self._lost_to(term)
         self.refused += 1
         raise Fenced(
             f"shard {self.shard}'s lease is lost (term {self.term}): another syncer took "
             "it over; this one writes nothing more"
         )
+
+    def _lost_to(self, term: int) -> bool:
+        """Whether the store's answer ``term`` (0: another holds the index) says
+        the shard is lost; if so, it is marked lost."""
+        if term == self.term:
+            return False
+        self._lose(
+            "another syncer holds it now"
+            if not term
+            else f"another syncer held it meanwhile (term {term})"
+        )
+        return True
 
     def _lose(self, why: str) -> None:
         log.error("lease of shard %d lost: %s", self.shard, why)

@@ -70,6 +70,7 @@ class LearnerInbound:
         for sock in dealers + subs:
             if sock not in events:
                 continue
+            shard = dealers.index(sock) if sock in dealers else subs.index(sock)
             while True:
                 try:
                     parts = receive_frames(sock, self._max_message_bytes, self._stats)
@@ -79,7 +80,6 @@ class LearnerInbound:
                     continue
                 frames = parts if sock in dealers else parts[1:]  # past the topic
                 msg = decode_frames(frames, self._max_message_bytes, self._stats)
-                shard = dealers.index(sock) if sock in dealers else subs.index(sock)
                 if isinstance(msg, GlobalFragment):
                     if self._verifier is not None and not self._verifier.verify(msg):
                         self._stats.rejected["bad_signature"] += 1
