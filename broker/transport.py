@@ -37,7 +37,7 @@ from __future__ import annotations
 import abc
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +121,10 @@ class Terms:
         return True
 
 
+# What a learner holds of a fragment, for a recall (LearnerTransport.answer_recalls).
+HeldGlobals = Callable[[int, bool], "GlobalFragment | None"]
+
+
 @dataclass(frozen=True)
 class Inbound:
     """A message received by the syncer, with what the backend needs to ack it."""
@@ -192,6 +196,15 @@ class LearnerTransport(abc.ABC):
     def resync(self, fragment: int) -> None:
         """Fetch the latest snapshot of ``fragment``: a change arrived for a version
         the learner does not hold (it rejected the one before, say)."""
+
+    def answer_recalls(self, held: HeldGlobals) -> None:
+        """Answer a syncer that lost its checkpoint from ``held`` (over ZeroMQ,
+        where no broker keeps globals: :class:`~broker.wire.messages.Recall`).
+        ``held(fragment, weights)``: the version of ``fragment`` this learner
+        holds, in its held form (:meth:`GlobalFragment.held_form`), with its
+        weights or without them, or None. A broker that keeps globals (Redis)
+        asks nothing."""
+        return None
 
     def refused_fragments(self) -> set[int]:
         """Fragments whose deltas the syncer refused since the last call. The

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -34,12 +35,27 @@ class GlobalDecoder:
     (a snapshot overtook it) and fetches nothing.
     Callers hand every global they take to :meth:`decode`, in arrival order, and
     mark it accepted on the transport once decoded.
+
+    What it holds answers a syncer that lost its checkpoint (:meth:`held`).
     """
 
     def __init__(self, plan: FragmentPlan, transport: LearnerTransport | None = None) -> None:
         self.plan = plan
         self.transport = transport
-        self._held: dict[int, tuple[Stamp, torch.Tensor]] = {}
+        # Per fragment: the version last decoded, its weights, and its global
+        # without the payload (its signatures and the syncer state it names).
+        self._held: dict[int, tuple[Stamp, torch.Tensor, GlobalFragment]] = {}
+        if transport is not None:
+            transport.answer_recalls(self.held)
+
+    def held(self, fragment: int, weights: bool) -> GlobalFragment | None:
+        """The version of ``fragment`` held, in its held form
+        (:meth:`GlobalFragment.held_form`): with its weights, or without
+        (a claim); None if none is held."""
+        held = self._held.get(fragment)
+        if held is None:
+            return None
+        return held[2].held_form(held[1]) if weights else held[2].without_weights()
 
     def decode(self, g: GlobalFragment) -> tuple[int, Stamp, torch.Tensor] | str:
         """(fragment, (epoch, version), weights) of a global that fits the plan, else why not."""
@@ -70,7 +86,7 @@ class GlobalDecoder:
             if self.transport is not None:
                 self.transport.resync(g.fragment)
             return DIVERGED
-        self._held[g.fragment] = ((g.epoch, g.version), flat)
+        self._held[g.fragment] = ((g.epoch, g.version), flat, replace(g, payload=b""))
         return g.fragment, (g.epoch, g.version), flat
 
 

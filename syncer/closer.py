@@ -186,6 +186,9 @@ class RoundCloser:
         self.confirm()
         self._published_at[p] = self.clock()
         state = self.states[p]
+        # One time for the change and its snapshot: they are one version, which
+        # a transport may sign once for both (GlobalFragment.held_form).
+        sent_at = time.time()
 
         def message(publication: Publication) -> GlobalFragment:
             return GlobalFragment(
@@ -200,7 +203,7 @@ class RoundCloser:
                 codec=publication.codec,
                 numel=state.numel,
                 payload=publication.payload,
-                sent_at=time.time(),
+                sent_at=sent_at,
             )
 
         snapshot = state.snapshot

@@ -1,5 +1,5 @@
 """A syncer's start on what it finds: its checkpoint folder checked against the
-run, and fragments rebuilt from the broker's latest globals where the folder
+run, and fragments rebuilt from the run's latest globals where the folder
 lacks them (docs/design.md, takeover)."""
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def rebuild_from_broker(
     checkpoint_dir: Path,
 ) -> list[int]:
     """Rebuild each owned fragment whose latest version the broker keeps
-    (Redis, with the state published beside it) and the checkpoint here
-    does not: none of it (``fresh``: the host and its disk were lost), or
+    (Redis, with the state published beside it) or, over ZeroMQ, the
+    learners hold (with the state that came with it, signed), and the
+    checkpoint here does not: none of it (``fresh``: the host and its disk were lost), or
     an older one (this syncer served the shard before another took it
     over, elsewhere). It goes on from that version, in its epoch, with the
     de-duplication state that goes with it, so the run goes on where it
@@ -73,19 +74,33 @@ def rebuild_from_broker(
         state = states[p]
         if p not in fresh and (latest.epoch, latest.version) <= (state.epoch, state.version):
             continue  # the checkpoint here is as new (or a round ahead: not yet published)
-        meta = msgpack.unpackb(raw, raw=False)
+        try:
+            meta = msgpack.unpackb(raw, raw=False) if raw else None
+        except (ValueError, msgpack.UnpackException):
+            meta = None
         if not isinstance(meta, dict) or (meta.get("epoch"), meta.get("version")) != (
             latest.epoch,
             latest.version,
         ):
-            log.warning("fragment %d: the broker's state is not its latest version's", p)
+            log.warning("fragment %d: the state found is not its latest version's", p)
             continue
-        state.load({f"version.{latest.version}": latest.tensor()}, meta)
+        if latest.numel != state.numel:
+            log.warning("fragment %d: the latest version found is not this model's", p)
+            continue
+        try:
+            state.load({f"version.{latest.version}": latest.tensor()}, meta)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            # Signed by a syncer where the run has keys; a run without keys
+            # takes a learner's at its word.
+            raise ConfigError(
+                f"fragment {p}: the state found with its latest version does not load ({e}): "
+                "restore its checkpoint, or pass --new-epoch to start over"
+            ) from e
         rebuilt.append(p)
     if rebuilt:
         log.warning(
             "fragment(s) %s: %s holds no checkpoint of their latest versions; rebuilt from "
-            "the broker's latest globals (%s), in their epoch; their momentum starts again "
+            "the run's latest globals (%s), in their epoch; their momentum starts again "
             "from zero, and deltas on older versions are refused as stale",
             rebuilt, checkpoint_dir,
             ", ".join(f"{p}@v{states[p].version}" for p in rebuilt),

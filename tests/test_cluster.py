@@ -277,7 +277,7 @@ def test_cluster_lifecycle(images: ClusterImages, tmp_path: Path) -> None:
             what="rounds of the killed shard after its restart",
         )
         assert syncer_kill["lost_state"] == f"/ddiloco/checkpoint/shard-{dead_fragment}"
-        assert "rebuilt from the broker's latest globals" in container_log(killed)
+        assert "rebuilt from the run's latest globals" in container_log(killed)
         assert shard_in_log(killed) == dead_fragment  # its own shard back, not the other's
         after = [r for r in cluster.rounds() if r["t"] > syncer_kill["t"]]
         for r in after:  # versions go on from the checkpoint, never back to the start

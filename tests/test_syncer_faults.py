@@ -34,6 +34,7 @@ from broker.identity.keys import RunKeys
 from broker.redis.frames import FIELD
 from broker.redis.names import globals_stream_key
 from broker.redis.server import RedisServer
+from broker.run.initial_model import read_initial_model
 from broker.run.settings import RunSettings
 from broker.transport import LearnerTransport
 from broker.wire.codecs import Codec, apply_change
@@ -41,6 +42,7 @@ from broker.wire.messages import Delta, GlobalFragment, Heartbeat, decode, weigh
 from compose.failover import FailoverRedis
 from compose.processes import free_port_pair
 from learner.config import WorkloadConfig
+from learner.join import GlobalDecoder
 from learner.library import MIN_QUEUED_BYTES
 from learner.model import ModelConfig
 from learner.workload import write_initial
@@ -226,6 +228,10 @@ class TwoLearners:
             )  # fmt: skip
             for name in SHIFTS
         }
+        # What each learner holds, as real learners keep it: it answers a ZeroMQ
+        # syncer that lost its checkpoint.
+        plan = read_initial_model(syncer.initial_model).plan
+        self.decoders = {name: GlobalDecoder(plan, t) for name, t in self.transports.items()}
         self.latest: dict[int, GlobalFragment] = {}
         self.seqs = dict.fromkeys(SHIFTS, 0)
         self.fragment_of: dict[tuple[str, int, int], int] = {}  # every delta sent
@@ -240,6 +246,7 @@ class TwoLearners:
                 Heartbeat(run_id="faults", learner_id=name, incarnation=1, step_time_s=0.05)
             )
             for g in transport.poll(0.05):  # also resends what is unacked
+                self.decoders[name].decode(g)
                 if g.fragment not in self.latest or g.version > self.latest[g.fragment].version:
                     self.latest[g.fragment] = g
             for p, g in self.latest.items():
@@ -394,11 +401,59 @@ def test_a_syncer_whose_checkpoint_folder_is_lost_resumes_from_redis_in_the_same
         learners.close()
         syncer.stop()
 
-    assert "rebuilt from the broker's latest globals" in (tmp_path / "syncer.log").read_text()
+    assert "rebuilt from the run's latest globals" in (tmp_path / "syncer.log").read_text()
     assert {p: g.epoch for p, g in learners.latest.items()} == epochs  # the same lineage
     # A rebuilt fragment keeps only its latest version: a delta on an older one
     # (sent while the syncer was down) is refused stale, as docs/design.md says.
     check_applied_once(learners, 1, refusable=frozenset({"stale"}))
+
+
+@pytest.mark.timeout(180)
+def test_a_zmq_syncer_whose_checkpoint_folder_is_lost_takes_the_learners_latest_back(
+    tmp_path: Path,
+) -> None:
+    """Over ZeroMQ no broker keeps globals: the syncer's host is lost between
+    a round's publish and its acks (SIGKILL, its checkpoint folder deleted),
+    and a new syncer asks the learners what they hold, checks the run's
+    signature on their latest version and takes it back with the state
+    published with it, in the same epoch. Nothing acknowledged is lost and
+    nothing applied twice. Whether the lost round's global reached the
+    learners before the kill is up to the kernel: if it did, the rebuilt
+    state knows its deltas when they come again (not merged twice); if not,
+    they are merged anew on the version before."""
+    url = f"zmq://127.0.0.1:{free_port_pair()}?ack_timeout_s=0.5"
+    write_initial_model(tmp_path)
+    syncer = SyncerProcess(tmp_path, url)
+    syncer.start("--crash-at", "before_ack")
+    learners = TwoLearners(url, syncer)
+    epochs: dict[int, int] = {}
+    lost_round_held = []
+
+    def keep_going() -> bool:
+        if syncer.returncode() is not None and not epochs:
+            for _ in range(5):  # what the kill let out has arrived by now
+                learners.turn()
+            epochs.update({p: g.epoch for p, g in learners.latest.items()})
+            logged = {(e["fragment"], e["version"]) for e in syncer.events_rounds()}
+            for p in range(FRAGMENTS):  # the killed round's version, if it got out
+                saved = durable_state(syncer.checkpoint_dir, p)
+                version = -1 if saved is None else saved[1]["version"]
+                if version > 0 and (p, version) not in logged:
+                    lost_round_held.extend([p] if learners.latest[p].version == version else [])
+            shutil.rmtree(syncer.checkpoint_dir)  # the host and its disk are gone
+            syncer.start()
+        learners.turn()
+        return True
+
+    try:
+        play_to_the_end(learners, lambda: keep_going() and ready_lines(syncer) >= 2)
+    finally:
+        learners.close()
+        syncer.stop()
+
+    assert "rebuilt from the run's latest globals" in (tmp_path / "syncer.log").read_text()
+    assert {p: g.epoch for p, g in learners.latest.items()} == epochs  # the same lineage
+    check_applied_once(learners, len(lost_round_held), refusable=frozenset({"stale"}))
 
 
 def globals_in_redis(server: RedisServer) -> list[GlobalFragment]:
@@ -478,7 +533,7 @@ def test_a_syncer_frozen_past_its_lease_is_fenced_when_it_wakes(
 
     assert_fenced_once(active)
     assert (
-        "rebuilt from the broker's latest globals"
+        "rebuilt from the run's latest globals"
         in (tmp_path / "standby" / "syncer.log").read_text()
     )
     # One lineage: each fragment's versions on the stream go up one at a time,

@@ -293,8 +293,8 @@ def test_weights_checksum_is_the_crc_of_the_fp32_bytes() -> None:
 # -- header errors -------------------------------------------------------------
 def test_schema_and_kind_errors() -> None:
     h, p = header_of(delta())
-    # 4: before enrollment over Redis; 5: before terms
-    for v in (0, 1, 2, 3, 4, 5, 7, -1, "6", None, True, 6.0, [6]):
+    # 4: before enrollment over Redis; 5: before terms; 6: before recalls
+    for v in (0, 1, 2, 3, 4, 5, 6, 8, -1, "7", None, True, 7.0, [7]):
         assert reason(frame({**h, "v": v}, p)) == "bad_schema_version", v
     no_v = {k: x for k, x in h.items() if k != "v"}
     assert reason(frame(no_v, p)) == "bad_schema_version"

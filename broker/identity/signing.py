@@ -20,14 +20,18 @@ from broker.wire.messages import GlobalFragment
 log = logging.getLogger(__name__)
 
 _DIGEST_DOMAIN = b"ddiloco global v1\0"
+# snapshot_signature is a signature of its own (of the version's held form),
+# which no change to it can forge: it is not signed again.
 _SIGNED_FIELDS = tuple(
-    f.name for f in fields(GlobalFragment) if f.name not in ("payload", "signature")
+    f.name
+    for f in fields(GlobalFragment)
+    if f.name not in ("payload", "signature", "snapshot_signature")
 )
 
 
 def signing_digest(g: GlobalFragment) -> bytes:
-    """SHA-256 over every field of ``g`` but the signature, and the payload's
-    SHA-256: what the signature covers."""
+    """SHA-256 over every field of ``g`` but its two signatures, and the
+    payload's SHA-256: what the signature covers."""
     values = [g.codec.name if name == "codec" else getattr(g, name) for name in _SIGNED_FIELDS]
     head = msgpack.packb(values, use_bin_type=True)
     payload = hashlib.sha256(g.payload).digest()

@@ -12,6 +12,9 @@ from broker.wire.codecs import Codec
 
 MAX_ID_LEN = 64
 MAX_LIST_LEN = 4096
+# GlobalFragment.resume: a syncer's small state with about 40 bytes per learner
+# (docs/design.md, takeover), within the 64 kB header.
+MAX_RESUME_BYTES = 32 * 1024
 _U63 = 2**63 - 1
 _ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _HASH_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -67,6 +70,16 @@ def _check_reason(name: str, v: Any) -> None:
 def _check_signature(name: str, v: Any) -> None:
     if not isinstance(v, str) or not _SIGNATURE_RE.match(v):
         raise WireError("bad_field", f"{name} must be 128 hex digits or empty")
+
+
+def _check_resume(name: str, v: Any) -> None:
+    if not isinstance(v, bytes) or len(v) > MAX_RESUME_BYTES:
+        raise WireError("bad_field", f"{name} must be at most {MAX_RESUME_BYTES} bytes")
+
+
+def _check_bool(name: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise WireError("bad_field", f"{name} must be true or false")
 
 
 def _check_key(name: str, v: Any) -> None:
@@ -125,6 +138,9 @@ FIELD_CHECKS = {
     "slot": _check_uint,
     "ttl_s": _check_time,
     "signature": _check_signature,
+    "snapshot_signature": _check_signature,
+    "resume": _check_resume,
+    "weights": _check_bool,
     "key": _check_key,
     "proof": _check_key_or_empty,  # empty: a run without keys
     "role": _check_role,

@@ -23,7 +23,7 @@ import torch
 from broker.errors import ConfigError  # re-exported: defined in broker.errors
 from broker.errors import WireError as WireError
 from broker.wire.codecs import Buffer, Codec, CodecError
-from broker.wire.fields import FIELD_CHECKS, MAX_LIST_LEN
+from broker.wire.fields import FIELD_CHECKS, MAX_LIST_LEN, MAX_RESUME_BYTES
 
 try:
     # ISA-L's CRC-32 is zlib's checksum (same polynomial, same frames), computed
@@ -35,8 +35,9 @@ except ImportError:  # a platform without isal's wheel
 
 # 2: globals carry their syncer epoch, deltas their base's; 3: a global may be a
 # change, and names the checksum of the weights it makes; 6: globals and acks
-# carry their syncer's term
-SCHEMA_VERSION = 6
+# carry their syncer's term; 7: globals carry what a successor resumes from
+# (resume, snapshot_signature), learners answer a syncer's Recall
+SCHEMA_VERSION = 7
 MAGIC = b"DDL1"
 _PREFIX = struct.Struct("<4sII")
 _CRC = struct.Struct("<I")
@@ -157,6 +158,16 @@ class GlobalFragment(_TensorMessage):
     # learner refuses a global or an ack of a lower term than one it took: a
     # syncer that woke after another took its shard over is heard no more.
     term: int = 0
+    # The syncer's own state that goes with this version (msgpack; opaque to
+    # learners), over ZeroMQ, where no broker keeps it: a learner keeps the
+    # latest it took and hands it back to a syncer that lost its checkpoint
+    # (Recall), which resumes from it. Empty over Redis (kept beside the
+    # snapshot there) and where it would not fit (MAX_RESUME_BYTES).
+    resume: bytes = b""
+    # The signature of this version as fp32 weights (:meth:`held_form`): what
+    # a learner holding the weights can prove it holds to a successor syncer.
+    # Not itself signed (it is a signature on its own). Empty: unsigned.
+    snapshot_signature: str = ""
     # The syncers' Ed25519 signature (hex) of everything above and the payload
     # (broker.identity.signing.signing_digest); learners with the run's keys check it
     # before anything is applied. Empty: unsigned (a run without keys).
@@ -186,6 +197,14 @@ class GlobalFragment(_TensorMessage):
         learner checks them against ``weights_crc`` like any snapshot."""
         flat = weights.detach().reshape(-1).to(torch.float32)
         return replace(self, codec=Codec(), numel=flat.numel(), payload=Codec().encode(flat))
+
+    def held_form(self, weights: torch.Tensor) -> GlobalFragment:
+        """This version as the fp32 ``weights`` it names, signed by
+        ``snapshot_signature``: the one form a syncer signs for every version
+        (whatever went out for it), so that a learner holding any of its
+        globals and the weights can hand them to a successor that checks them."""
+        held = replace(self, change_from=-1, signature=self.snapshot_signature)
+        return held.with_weights(weights)
 
 
 @dataclass(frozen=True)
@@ -234,6 +253,20 @@ class SnapshotRequest(Message):
         super().validate()
         if self.held_crcs and len(self.held_crcs) != len(self.fragments):
             raise WireError("bad_field", "held_crcs must be empty or one per fragment")
+
+
+@dataclass(frozen=True)
+class Recall(Message):
+    """Syncer -> learner: a syncer that lost its checkpoint asks what the learner
+    holds of ``fragments``. The learner answers each one it holds with its
+    :meth:`GlobalFragment.held_form`: without the weights (``numel`` 0: its
+    claim), or with them where ``weights`` is set; the syncer checks the
+    signature and the weights before it resumes from them."""
+
+    KIND: ClassVar[str] = "recall"
+    run_id: str = ""
+    fragments: list[int] = field(default_factory=list)
+    weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -316,6 +349,7 @@ KINDS: dict[str, type[Message]] = {
         Heartbeat,
         Ack,
         SnapshotRequest,
+        Recall,
         Refusal,
         Enroll,
         LeaseRequest,
@@ -429,7 +463,7 @@ def _decode_checked(
             raw=False,
             strict_map_key=True,
             max_str_len=MAX_HEADER_BYTES,
-            max_bin_len=0,
+            max_bin_len=MAX_RESUME_BYTES,  # GlobalFragment.resume, the one bytes field
             max_array_len=MAX_LIST_LEN,
             max_map_len=64,
             max_ext_len=0,

@@ -1,7 +1,7 @@
 """What a learner receives over ZeroMQ, each message handed to the part that
 handles it: globals to the candidates (a snapshot answer also ends its
 resync), acks and refusals to the delta sender, lease grants to the lease
-client."""
+client; a syncer's recall is answered from what the learner holds."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ from typing import Any
 
 import zmq
 
+from broker.fragments import owner_shard
 from broker.identity.signing import GlobalVerifier
-from broker.transport import Terms, TransportStats
-from broker.wire.messages import Ack, GlobalFragment, LeaseGrant, Refusal
+from broker.transport import HeldGlobals, Terms, TransportStats
+from broker.wire import messages as wire
+from broker.wire.messages import Ack, GlobalFragment, LeaseGrant, Recall, Refusal
 from broker.zmq.addressing import ShardSockets
 from broker.zmq.curve import IDENTITY_REFUSALS
 from broker.zmq.delivery import DeltaSender
-from broker.zmq.frames import decode_frames, receive_frames
+from broker.zmq.frames import decode_frames, receive_frames, send_parts
 from broker.zmq.leases import LeaseClient
 from broker.zmq.snapshots import Candidates, SnapshotRequests
 
@@ -62,6 +64,8 @@ class LearnerInbound:
         self._terms = Terms(stats)
         # While snapshot() runs: the weights the caller holds.
         self.held: Mapping[int, Any] = {}
+        # What a syncer's recall is answered from (LearnerTransport.answer_recalls).
+        self.held_globals: HeldGlobals | None = None
 
     def take(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for messages, and handle every one there is."""
@@ -105,8 +109,32 @@ class LearnerInbound:
                     self._leases.granted(msg)
                 elif isinstance(msg, Refusal):
                     self._handle_refusal(msg)
+                elif isinstance(msg, Recall) and sock in dealers and msg.run_id == self._run_id:
+                    self._answer_recall(sock, shard, msg)
                 elif msg is not None:
                     self._stats.rejected["unexpected_kind"] += 1
+
+    def _answer_recall(self, dealer: zmq.Socket[bytes], shard: int, recall: Recall) -> None:
+        """Each fragment of the asking shard this learner holds: its claim, or
+        its weights. An answer the socket has no room for is dropped (the
+        syncer asks the next holder)."""
+        if self.held_globals is None:
+            return
+        shards = len(self._sockets.dealers)
+        for p in sorted(set(recall.fragments)):
+            if p >= self._num_fragments or owner_shard(p, shards) != shard:
+                self._stats.rejected["recall_not_owned"] += 1
+                continue
+            held = self.held_globals(p, recall.weights)
+            if held is None:
+                continue
+            parts = wire.encode_parts(held, self._max_message_bytes)
+            try:
+                send_parts(dealer, parts)
+            except zmq.Again:
+                continue
+            self._stats.messages_sent += 1
+            self._stats.bytes_sent += sum(len(part) for part in parts)
 
     def _handle_refusal(self, refusal: Refusal) -> None:
         if refusal.learner_id != self._learner_id or refusal.incarnation != self._incarnation:

@@ -11,7 +11,7 @@ import zmq
 from broker.errors import ConfigError
 from broker.identity.keys import FileWatch, Identity, RunKeys
 from broker.identity.signing import GlobalVerifier
-from broker.transport import LearnerTransport
+from broker.transport import HeldGlobals, LearnerTransport
 from broker.wire import messages as wire
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat
 from broker.zmq.addressing import ShardSockets, resolve_addresses
@@ -133,6 +133,9 @@ class ZmqLearnerTransport(LearnerTransport):
         for owner in range(len(self._sockets.dealers)):
             if self._sockets.send_small(owner, frame):
                 self.stats.messages_sent += 1
+
+    def answer_recalls(self, held: HeldGlobals) -> None:
+        self._inbound.held_globals = held
 
     def resync(self, fragment: int) -> None:
         if 0 <= fragment < self.num_fragments:

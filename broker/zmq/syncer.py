@@ -6,15 +6,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
 
 import zmq
 
 from broker.checks import check_positive
 from broker.identity.keys import FileWatch, RunKeys
-from broker.identity.signing import GlobalSigner
+from broker.identity.signing import GlobalSigner, GlobalVerifier
 from broker.transport import MAX_LEARNER_SLOTS, Inbound, SyncerTransport, TransportStats
 from broker.wire import messages as wire
-from broker.wire.fields import MAX_LIST_LEN
+from broker.wire.codecs import Codec
+from broker.wire.fields import MAX_LIST_LEN, MAX_RESUME_BYTES
 from broker.wire.messages import (
     Ack,
     Delta,
@@ -38,6 +42,7 @@ from broker.zmq.frames import (
 )
 from broker.zmq.leases import LeaseDesk
 from broker.zmq.options import ZmqOptions
+from broker.zmq.recall import Recollection
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,13 @@ class LatestGlobals:
         self._latest[fragment.fragment] = whole
         self._weightless[fragment.fragment] = (fragment.weights_crc, weightless)
         self._stamp[fragment.fragment] = (fragment.epoch, fragment.version)
+
+    def weightless(self, fragment: GlobalFragment) -> Parts | None:
+        """The stored answer without weights of ``fragment``'s version, if it is
+        the newest stored."""
+        if self._stamp.get(fragment.fragment) != (fragment.epoch, fragment.version):
+            return None
+        return self._weightless[fragment.fragment][1]
 
     def answers(self, identity: bytes, req: SnapshotRequest) -> list[Parts]:
         """Each owned fragment asked for, once, and its version not again to the same
@@ -125,6 +137,11 @@ class ZmqSyncerTransport(SyncerTransport):
         self.stats = TransportStats()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._signer = GlobalSigner(keys) if keys else None
+        self._verifier = GlobalVerifier(keys) if keys else None
+        # While resume_points runs: the recall under way, and what came meanwhile.
+        self._recall: Recollection | None = None
+        self._early: list[Inbound] = []
+        self._resume_too_large = False
         self._curve = CurveServer(keys, run_id, identity_hold_s, self.stats, self._send_to)
         with destroyed_on_error(self._ctx, self._curve.close):
             self._curve.serve_zap(self._ctx)
@@ -152,8 +169,8 @@ class ZmqSyncerTransport(SyncerTransport):
 
     def receive(self, timeout_s: float) -> list[Inbound]:
         self._curve.take_up_rotation(self._router, self._pub)
-        out: list[Inbound] = []
-        if not self._router.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+        out, self._early = self._early, []
+        if out or not self._router.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
             return out
         members = self._curve.members
         while len(out) < self.max_batch:
@@ -172,8 +189,13 @@ class ZmqSyncerTransport(SyncerTransport):
                 continue
             if getattr(msg, "run_id", self.run_id) != self.run_id:
                 self.stats.rejected["wrong_run"] += 1
-            elif self._curve.refused(identity, parts[1], msg):
                 continue
+            if self._recall is not None:
+                self._recall.heard(identity)
+            if self._curve.refused(identity, parts[1], msg):
+                continue
+            if isinstance(msg, GlobalFragment) and self._recall is not None:
+                self._recall.answered(identity, msg, time.monotonic())
             elif isinstance(msg, Delta):
                 if msg.fragment in self.fragments:
                     out.append(Inbound(msg, identity))
@@ -221,7 +243,34 @@ class ZmqSyncerTransport(SyncerTransport):
                 self._send_to(identity, (wire.encode(ack),))
 
     def existing_globals(self, fragments: list[int]) -> dict[int, tuple[int, int]]:
-        return {}  # globals live in this process only; learners follow a new epoch
+        return {}  # globals live in this process and its learners only (resume_points)
+
+    def resume_points(
+        self, fragments: list[int], held: Mapping[int, Any] | None = None
+    ) -> dict[int, tuple[GlobalFragment, bytes]]:
+        """The learners' latest signed versions of the owned ``fragments`` not in
+        ``held`` (:class:`~broker.zmq.recall.Recollection`), each with the
+        syncer state published with it. Waits up to a few seconds for the
+        learners' claims, then as long as their weights take; deltas and
+        heartbeats that come meanwhile are handed out by the next receive."""
+        wanted = sorted(p for p in fragments if p in self.fragments and p not in (held or {}))
+        if not wanted:
+            return {}
+        recall = Recollection(self.run_id, wanted, self._verifier, self.stats, time.monotonic())
+        self._recall = recall
+        try:
+            while not recall.done():
+                for peer, ask in recall.asks(time.monotonic()):
+                    self._send_to(peer, (wire.encode(ask),))
+                self._early.extend(self.receive(0.05))
+        finally:
+            self._recall = None
+        claimed = {p: n for p, n in recall.claims().items() if n}
+        log.info(
+            "recall: %d fragment(s) claimed by learners (%s), %d taken back",
+            len(claimed), ", ".join(f"{p}: {n}" for p, n in claimed.items()), len(recall.taken),
+        )  # fmt: skip
+        return {p: (g, bytes(g.resume)) for p, g in recall.taken.items()}
 
     def refuse(self, item: Inbound, reason: str) -> None:
         d = item.message
@@ -236,16 +285,47 @@ class ZmqSyncerTransport(SyncerTransport):
     def publish(
         self, fragment: GlobalFragment, snapshot: GlobalFragment | None = None, resume: bytes = b""
     ) -> None:
-        parts = wire.encode_parts(self._signed(fragment), self.max_message_bytes)
-        whole = parts if snapshot is None else self._encoded(snapshot)
-        self._latest.store(fragment, whole, self._encoded(fragment.without_weights()))
+        """Every global carries the version's ``resume`` state and the signature
+        of its held form (as learners hold it: fp32 weights), which a learner
+        hands back to a successor that lost its checkpoint (:meth:`resume_points`)."""
+        held = self._held_form(snapshot or fragment, resume)
+        if fragment.is_change or fragment.codec != held.codec:
+            sent = self._signed(
+                replace(fragment, resume=held.resume, snapshot_signature=held.snapshot_signature)
+            )
+        else:  # the weights as fp32 are the held form itself
+            sent = held
+        parts = wire.encode_parts(sent, self.max_message_bytes)
+        whole = parts if snapshot is None else self._encoded(held)
+        self._latest.store(fragment, whole, self._encoded(held.without_weights()))
         self._broadcast(parts)
+
+    def _held_form(self, snapshot: GlobalFragment, resume: bytes) -> GlobalFragment:
+        """``snapshot``'s version as fp32 weights with ``resume``, signed, its
+        signature also its ``snapshot_signature``."""
+        if len(resume) > MAX_RESUME_BYTES:
+            if not self._resume_too_large:
+                log.warning(
+                    "the syncer's state (%d bytes: many learners) is past what a global "
+                    "carries (%d): a successor without this checkpoint starts a new epoch",
+                    len(resume), MAX_RESUME_BYTES,
+                )  # fmt: skip
+                self._resume_too_large = True
+            resume = b""
+        held = replace(snapshot, resume=resume)
+        if held.codec != Codec():  # fp32 through a lossless stage
+            held = held.with_weights(held.tensor())
+        held = self._signed(held)
+        return replace(held, snapshot_signature=held.signature)
 
     def _encoded(self, fragment: GlobalFragment) -> Parts:
         return wire.encode_parts(self._signed(fragment), self.max_message_bytes)
 
     def announce(self, fragment: GlobalFragment, resume: bytes = b"") -> None:
-        self._broadcast(self._encoded(fragment.without_weights()))
+        parts = self._latest.weightless(fragment)
+        if parts is None:  # not published by this process: its held form signed now
+            parts = self._encoded(self._held_form(fragment, resume).without_weights())
+        self._broadcast(parts)
 
     def _broadcast(self, parts: Parts) -> None:
         """Send ``parts`` to every subscriber, or drop them: PUB does not block, and
