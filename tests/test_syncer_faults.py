@@ -533,8 +533,7 @@ def test_a_syncer_frozen_past_its_lease_is_fenced_when_it_wakes(
 
     assert_fenced_once(active)
     assert (
-        "rebuilt from the run's latest globals"
-        in (tmp_path / "standby" / "syncer.log").read_text()
+        "rebuilt from the run's latest globals" in (tmp_path / "standby" / "syncer.log").read_text()
     )
     # One lineage: each fragment's versions on the stream go up one at a time,
     # and no version was published twice with other weights.
