@@ -294,13 +294,14 @@ class SyncerTransport(abc.ABC):
         lost its checkpoint (:meth:`resume_points`)."""
 
     def resume_points(
-        self, fragments: list[int], held: Mapping[int, Any] | None = None
+        self, fragments: list[int], held: Mapping[int, Any] | None = None, wait_s: float = 0.0
     ) -> dict[int, tuple[GlobalFragment, bytes]]:
         """The latest snapshot of each of ``fragments`` (with its weights) and the
         ``resume`` state published with it, where the broker keeps both (Redis:
-        written in one transaction); a broker that keeps no snapshots (ZeroMQ)
-        has none. ``held``: fp32 weights the caller holds, by fragment, not
-        read again where they are the latest (as :meth:`LearnerTransport.snapshot`)."""
+        written in one transaction), or else the learners hold them (ZeroMQ:
+        asked for up to ``wait_s``, for those not in ``held``). ``held``: fp32
+        weights the caller holds, by fragment, not read again where they are
+        the latest (as :meth:`LearnerTransport.snapshot`)."""
         return {}
 
     def serves(self, fragment: int, epoch: int, version: int) -> bool:

@@ -81,6 +81,10 @@ class SyncerConfig:
     # Without it, a syncer whose checkpoint folder lacks fragments the broker holds
     # globals of refuses to start: it would throw the run's progress away.
     new_epoch: bool = False  # start over from the initial model though the broker has globals
+    # ZeroMQ runs keep globals in the syncer and its learners only: a syncer
+    # without a checkpoint asks the learners that dial it what they hold, for up
+    # to this long (they redial every 2 s), before it starts a new epoch.
+    recall_s: float = 4.0  # ZeroMQ: seconds without a checkpoint to wait for learners' claims
     # ZeroMQ runs: a Redis URL whose leases and terms fence each shard's syncer,
     # as Redis runs' own Redis does (broker/redis/shards.py). Empty: none.
     lease_store: str = ""  # ZeroMQ runs: redis:// or rediss:// URL of the shards' leases
@@ -94,6 +98,7 @@ class SyncerConfig:
             check_id("syncer_id", self.syncer_id)
         check_int("metrics_port", self.metrics_port, minimum=0)
         check_int("full_checkpoint_every", self.full_checkpoint_every)
+        check_positive("recall_s", self.recall_s, allow_zero=True)
         if self.crash_at:
             check_choice("crash_at", self.crash_at, CRASH_POINTS)
         if self.pause_at:

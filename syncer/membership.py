@@ -4,10 +4,11 @@ learners rounds wait for, M and K. The one owner of K: rounds ask it."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from broker.run.settings import RunSettings, default_quorum
 from syncer.quorum import Roster
+from syncer.trust import PaceMark
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +23,16 @@ class Membership:
     K is ``quorum`` when set, else :func:`broker.run.settings.default_quorum` of M.
     """
 
-    def __init__(self, run: RunSettings, roster_cap: int, now: float, members: Collection[str]):
+    def __init__(
+        self,
+        run: RunSettings,
+        roster_cap: int,
+        now: float,
+        members: Collection[str],
+        marks: Mapping[str, PaceMark] | None = None,
+    ):
         self.run = run
-        self.roster = Roster(roster_cap, run.heartbeat_timeout_s, now, members)
+        self.roster = Roster(roster_cap, run.heartbeat_timeout_s, now, members, marks=marks)
         self.short_run = False  # fewer learners joined than the quorum expects
 
     def quorum(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from broker.errors import ConfigError, DdilocoError
 from syncer.trust import PaceMark, credited_step_s, delta_pace
@@ -184,7 +184,10 @@ class Roster:
         now: float,
         members: Collection[str] = (),
         ema_alpha: float = 0.1,
+        marks: Mapping[str, PaceMark] | None = None,
     ) -> None:
+        """``members`` and ``marks``: what a restarted syncer's checkpoint knows
+        (:meth:`syncer.fragment_state.FragmentState.pace_marks`)."""
         if cap < 1:
             raise ConfigError(f"roster cap must be >= 1, got {cap}")
         self.cap = cap
@@ -200,7 +203,7 @@ class Roster:
         # Each member's pace, read from its accepted deltas (syncer.trust.delta_pace):
         # the mark the next is measured from, and the last PACE_WINDOW samples.
         self.pace_s: dict[str, deque[float]] = {}
-        self._pace_mark: dict[str, PaceMark] = {}
+        self._pace_mark: dict[str, PaceMark] = dict(marks or {})
         self._typical: dict[str, float] = {}  # the median of each member's samples
 
     def __contains__(self, learner: str) -> bool:

@@ -55,6 +55,7 @@ def rebuild_from_broker(
     owned: list[int],
     fresh: list[int],
     checkpoint_dir: Path,
+    recall_s: float,
 ) -> list[int]:
     """Rebuild each owned fragment whose latest version the broker keeps
     (Redis, with the state published beside it) or, over ZeroMQ, the
@@ -67,10 +68,12 @@ def rebuild_from_broker(
     only the lost checkpoint held is gone: the momentum (it starts again
     from zero), the master's lead over the published version and the
     older kept versions (deltas based on them are refused as stale, and
-    their learners take the latest). Returns the fragments rebuilt."""
+    their learners take the latest). ``recall_s``: how long learners are
+    asked where they hold what no broker keeps (ZeroMQ). Returns the
+    fragments rebuilt."""
     held = {p: s.weights for p, s in states.items() if p not in fresh}
     rebuilt = []
-    for p, (latest, raw) in sorted(transport.resume_points(owned, held).items()):
+    for p, (latest, raw) in sorted(transport.resume_points(owned, held, recall_s).items()):
         state = states[p]
         if p not in fresh and (latest.epoch, latest.version) <= (state.epoch, state.version):
             continue  # the checkpoint here is as new (or a round ahead: not yet published)

@@ -51,6 +51,7 @@ from syncer.membership import Membership
 from syncer.metrics import SyncerMetrics
 from syncer.quorum import Roster
 from syncer.recovery import check_manifest, rebuild_from_broker
+from syncer.trust import newest_marks
 
 if TYPE_CHECKING:
     from broker.redis.shards import ShardLease
@@ -242,7 +243,7 @@ class Syncer:
             []
             if cfg.new_epoch
             else rebuild_from_broker(
-                self.transport, self.states, self.owned, fresh, self.checkpoint_dir
+                self.transport, self.states, self.owned, fresh, self.checkpoint_dir, cfg.recall_s
             )
         )
         if unrebuilt := [p for p in fresh if p not in rebuilt and not cfg.new_epoch]:
@@ -258,9 +259,11 @@ class Syncer:
         for p in rebuilt:
             logged[p] = cfg.full_checkpoint_every
         self.metrics = SyncerMetrics(cfg.metrics_port, cfg.metrics_file, run.metrics_host)
-        # After a restart, the learners the checkpoint has applied deltas of.
+        # After a restart, the learners the checkpoint has applied deltas of, and
+        # where their paces go on from.
         members = {name for s in self.states.values() for name in s.applied}
-        self.membership = Membership(run, cfg.roster_cap, self.clock(), members)
+        marks = newest_marks(s.pace_marks() for s in self.states.values())
+        self.membership = Membership(run, cfg.roster_cap, self.clock(), members, marks)
         self.intake = Intake(
             self.states, self.plan.plan_hash, self.membership, self.metrics, self.transport,
             self._crash_point,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from broker.errors import ConfigError
@@ -97,6 +97,17 @@ def delta_pace(
     if now > mark.at_s:
         return pace, PaceMark(incarnation, step, now)
     return pace, mark
+
+
+def newest_marks(marks: Iterable[Mapping[str, PaceMark]]) -> dict[str, PaceMark]:
+    """Per learner, the newest of the marks (the latest incarnation, then step)."""
+    newest: dict[str, PaceMark] = {}
+    for found in marks:
+        for learner, mark in found.items():
+            held = newest.get(learner)
+            if held is None or (mark.incarnation, mark.step) > (held.incarnation, held.step):
+                newest[learner] = mark
+    return newest
 
 
 def credited_step_s(own: float | None, roster: Sequence[float]) -> float | None:

@@ -381,6 +381,33 @@ def test_a_burst_without_any_heartbeat_is_taken(tmp_path: Path) -> None:
         syncer.transport.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_restarted_syncer_bounds_a_first_delta_by_the_learners_pace_not_the_floor(
+    tmp_path: Path,
+) -> None:
+    """A learner's delta at step 40 is merged; the syncer restarts from its
+    checkpoint (a rebuild from the broker or the learners loads the same small
+    state). The learner's first delta after the 30 s outage covers 60 steps,
+    past the floor of 2 H = 4: its pace since its last merged delta (30 s for
+    60 steps) bounds it, and it is taken (it was refused at the floor, and its
+    learner's progress thrown away). A claim past even that pace is refused."""
+    clock, wall = Clock(1.0), Clock(T0)
+    first = make_syncer(tmp_path, free_port_pair(), quorum=1, learners=1, clocks=(clock, wall))
+    first.handle([Inbound(delta_of(first, "a", 1, 40, 4))])
+    assert first.states[0].version == 1 and first.metrics.rejected == {}
+    first.shutdown()
+    clock.t, wall.t = 31.0, wall.t + 30
+    second = make_syncer(tmp_path, free_port_pair(), quorum=1, learners=1, clocks=(clock, wall))
+    try:
+        second.handle([Inbound(delta_of(second, "a", 2, 100, 60))])
+        assert second.metrics.rejected == {}
+        assert second.roster.pace_times()["a"] == pytest.approx(0.5)
+        second.handle([Inbound(delta_of(second, "a", 3, 101, 10**6))])
+        assert second.metrics.rejected == {"too_many_steps": 1}
+    finally:
+        second.transport.close()
+
+
 # -- live, over both transports ----------------------------------------------------
 @pytest.fixture(params=["zmq", "redis"])
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:

@@ -122,7 +122,7 @@ def test_a_syncer_without_its_checkpoint_takes_the_signed_latest_back_not_an_ins
         loop = threading.Thread(target=learners_loop)
         loop.start()
         try:
-            points = successor.resume_points([0])
+            points = successor.resume_points([0], wait_s=4.0)
         finally:
             stop.set()
             loop.join()

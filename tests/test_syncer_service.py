@@ -73,6 +73,9 @@ def make_syncer(
         ),
         checkpoint_dir=str(tmp_path / "ck"),
         metrics_file=str(tmp_path / "events.jsonl"),
+        # No learner here holds a version a fresh syncer could take back: none is
+        # waited for (tests/test_recall.py and the fault tests wait, as deployed).
+        recall_s=0.0,
     )
     settings.update(overrides)
     cfg = SyncerConfig(**settings)  # type: ignore[arg-type]

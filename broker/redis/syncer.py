@@ -332,7 +332,7 @@ class RedisSyncerTransport(SyncerTransport):
         return lost
 
     def resume_points(
-        self, fragments: list[int], held: Mapping[int, Any] | None = None
+        self, fragments: list[int], held: Mapping[int, Any] | None = None, wait_s: float = 0.0
     ) -> dict[int, tuple[GlobalFragment, bytes]]:
         """Read from the snapshot keys (signatures checked with the run's keys)
         and the resume keys; raises :class:`TransportError` when redis does not

@@ -25,9 +25,6 @@ from broker.wire.messages import GlobalFragment, Recall, weights_checksum
 
 log = logging.getLogger(__name__)
 
-# How long claims are gathered at most: learners dial a syncer at least every
-# 2 s (broker.zmq.addressing) and send a heartbeat every step.
-CLAIM_WINDOW_S = 4.0
 # Claims end sooner once every fragment has one and no newer one came for this
 # long: the learners that hold the latest version, nearly all, answer at once.
 CLAIMS_SETTLED_S = 1.0
@@ -61,12 +58,17 @@ class Recollection:
         verifier: GlobalVerifier | None,
         stats: TransportStats,
         now: float,
+        window_s: float,
     ) -> None:
+        """``window_s``: how long claims are gathered at most (learners dial a
+        syncer at least every 2 s, broker.zmq.addressing, and send a heartbeat
+        every step)."""
         self._run_id = run_id
         self._wanted = set(fragments)
         self._verifier = verifier
         self._stats = stats
         self._started = now
+        self._window_s = window_s
         self._last_news = now
         self._to_ask: list[bytes] = []
         self._asked: set[bytes] = set()
@@ -151,7 +153,7 @@ class Recollection:
         return out
 
     def _claims_in(self, now: float) -> bool:
-        if now - self._started >= CLAIM_WINDOW_S:
+        if now - self._started >= self._window_s:
             return True
         every = all(self._claims.values())
         return every and now - self._last_news >= CLAIMS_SETTLED_S

@@ -246,17 +246,19 @@ class ZmqSyncerTransport(SyncerTransport):
         return {}  # globals live in this process and its learners only (resume_points)
 
     def resume_points(
-        self, fragments: list[int], held: Mapping[int, Any] | None = None
+        self, fragments: list[int], held: Mapping[int, Any] | None = None, wait_s: float = 0.0
     ) -> dict[int, tuple[GlobalFragment, bytes]]:
         """The learners' latest signed versions of the owned ``fragments`` not in
         ``held`` (:class:`~broker.zmq.recall.Recollection`), each with the
-        syncer state published with it. Waits up to a few seconds for the
+        syncer state published with it. Waits up to ``wait_s`` for the
         learners' claims, then as long as their weights take; deltas and
         heartbeats that come meanwhile are handed out by the next receive."""
         wanted = sorted(p for p in fragments if p in self.fragments and p not in (held or {}))
-        if not wanted:
+        if not wanted or wait_s <= 0:
             return {}
-        recall = Recollection(self.run_id, wanted, self._verifier, self.stats, time.monotonic())
+        recall = Recollection(
+            self.run_id, wanted, self._verifier, self.stats, time.monotonic(), wait_s
+        )
         self._recall = recall
         try:
             while not recall.done():
