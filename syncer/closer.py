@@ -7,6 +7,7 @@ and publishing fragments (after a round, at start, and again while idle)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,7 @@ class RoundCloser:
         self.term = term
         self.confirm = confirm
         self._published_at: dict[int, float] = {}  # clock() of each fragment's last publish
+        self._first_saves: FirstSaves | None = None
 
     def close_ready(self, now: float) -> None:
         """Close every round that should close now (:meth:`Round.should_close`)."""
@@ -133,10 +135,19 @@ class RoundCloser:
         }
         self.metrics.round(p, self.states[p].epoch, result, quorum, timings)
 
+    def save_in_background(self, fragments: list[int]) -> None:
+        """Write the full state of ``fragments``, rebuilt at start, off the rounds'
+        path (:class:`FirstSaves`); each one's first round waits for its own."""
+        if fragments:
+            self.confirm()
+            self._first_saves = FirstSaves(self.checkpoint_dir, self.states, fragments)
+
     def checkpoint(self, p: int) -> int:
         """Make fragment p's new version durable: its change appended to the log,
         or every ``full_every`` rounds (and for a version published whole) its
         full state. Returns the bytes written."""
+        if self._first_saves is not None:
+            self._first_saves.wait(p)  # the log's base is on disk before its first record
         self.confirm()
         state = self.states[p]
         logged = self._logged.get(p, 0)
@@ -228,3 +239,44 @@ class RoundCloser:
             if state.pending_learners:
                 self.close_round(p)
         self.metrics.event("drained", versions={str(p): s.version for p, s in self.states.items()})
+
+
+class FirstSaves:
+    """The first full state of fragments rebuilt at start (from the broker or the
+    learners, which hold their version already), written by one thread while
+    the syncer serves: 4 bytes per parameter, the version and its small state,
+    all a rebuilt fragment holds (its master is the version, its momentum
+    zero), where its first round wrote the whole state on its path (2 GB at
+    250M parameters). The version's memory is not written over while the
+    thread holds it (:meth:`syncer.versions.Versions.writable`). A syncer
+    killed before a fragment's is done rebuilds it again."""
+
+    def __init__(self, directory: Path, states: dict[int, FragmentState], fragments: list[int]):
+        self._done = {p: threading.Event() for p in fragments}
+        self._error: BaseException | None = None
+        jobs = [
+            (p, {f"version.{states[p].version}": states[p].weights}, states[p].meta())
+            for p in fragments
+        ]
+        threading.Thread(
+            target=self._write, args=(directory, jobs), name="ddiloco-first-saves", daemon=True
+        ).start()
+
+    def _write(self, directory: Path, jobs: list[tuple[int, dict, dict]]) -> None:
+        try:
+            for p, tensors, meta in jobs:
+                save_fragment(directory, p, tensors, meta)
+                self._done[p].set()
+        except BaseException as e:  # raised on the syncer's thread by wait()
+            self._error = e
+            for event in self._done.values():
+                event.set()
+
+    def wait(self, p: int) -> None:
+        """Return once fragment ``p``'s first state is on disk (at once if it is
+        not one of them); raise what stopped the writer."""
+        done = self._done.get(p)
+        if done is not None:
+            done.wait()
+        if self._error is not None:
+            raise self._error

@@ -38,7 +38,7 @@ from syncer.buffers import DeltaBuffers, PackedDelta, PackedRows
 from syncer.config import OuterConfig
 from syncer.merge import CompiledMerge, Merge, OuterState, Round, TorchMerge
 from syncer.quorum import Round as OpenRound
-from syncer.trust import PaceMark, ReportLimits
+from syncer.trust import ReportLimits
 from syncer.versions import Publication, Versions, canonical
 
 __all__ = [
@@ -185,19 +185,6 @@ class FragmentState:
     @property
     def applied(self) -> dict[str, tuple[int, int]]:
         return self.admission.applied
-
-    def pace_marks(self) -> dict[str, PaceMark]:
-        """Where each learner's pace is measured from after a restart: the newest
-        step of its merged here, as of this version's publication (no earlier
-        than that delta arrived: a pace measured from it is, if anything,
-        faster than the learner's, so an honest learner's first delta after an
-        outage is bounded by the time it trained, not refused at the floor)."""
-        at_s = self.published_at.get(self.version, 0.0)
-        return {
-            learner: PaceMark(self.applied[learner][0], step, at_s)
-            for learner, step in self.admission.merged_step.items()
-            if learner in self.applied
-        }
 
     @property
     def pending_learners(self) -> list[str]:

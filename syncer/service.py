@@ -51,7 +51,7 @@ from syncer.membership import Membership
 from syncer.metrics import SyncerMetrics
 from syncer.quorum import Roster
 from syncer.recovery import check_manifest, rebuild_from_broker
-from syncer.trust import newest_marks
+from syncer.trust import newest_marks, restart_marks
 
 if TYPE_CHECKING:
     from broker.redis.shards import ShardLease
@@ -251,18 +251,19 @@ class Syncer:
         # Version 0 is durable before it is published, like every later one: a
         # syncer killed before its first round comes back in the same epoch
         # instead of refusing every delta in flight (wrong_epoch). A rebuilt
-        # version is durable in the broker already: its full state is written
-        # at its first round (a successor killed before it rebuilds again),
-        # not before the syncer serves (2 GB at 250M parameters).
+        # version is durable in the broker (or held by the learners) already:
+        # its full state is written while the syncer serves (RoundCloser.
+        # save_in_background; a successor killed before then rebuilds again).
         for p in sorted(set(fresh) - set(rebuilt)):
             save_fragment(self.checkpoint_dir, p, *self.states[p].state())
-        for p in rebuilt:
-            logged[p] = cfg.full_checkpoint_every
         self.metrics = SyncerMetrics(cfg.metrics_port, cfg.metrics_file, run.metrics_host)
         # After a restart, the learners the checkpoint has applied deltas of, and
         # where their paces go on from.
         members = {name for s in self.states.values() for name in s.applied}
-        marks = newest_marks(s.pace_marks() for s in self.states.values())
+        marks = newest_marks(
+            restart_marks(s.applied, s.admission.merged_step, s.published_at.get(s.version, 0.0))
+            for s in self.states.values()
+        )
         self.membership = Membership(run, cfg.roster_cap, self.clock(), members, marks)
         self.intake = Intake(
             self.states, self.plan.plan_hash, self.membership, self.metrics, self.transport,
@@ -287,6 +288,7 @@ class Syncer:
         )
         self.stop_requested = threading.Event()
         self.drain_requested = threading.Event()
+        self.closer.save_in_background(rebuilt)
         self.closer.publish_at_start()
 
     def _refuse_to_forget(self, fresh: list[int]) -> None:

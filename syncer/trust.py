@@ -99,6 +99,23 @@ def delta_pace(
     return pace, mark
 
 
+def restart_marks(
+    applied: Mapping[str, tuple[int, int]], merged_step: Mapping[str, int], published_s: float
+) -> dict[str, PaceMark]:
+    """Where each learner's pace is measured from after a restart, from what one
+    fragment's checkpoint (or rebuilt state) knows: its incarnation, the
+    newest step of its merged there (``applied``, ``merged_step``), as of the
+    fragment's current version's publication (no earlier than that delta
+    arrived: a pace measured from it is, if anything, faster than the
+    learner's, so an honest learner's first delta after an outage is bounded
+    by the time it trained, not refused at the floor)."""
+    return {
+        learner: PaceMark(applied[learner][0], step, published_s)
+        for learner, step in merged_step.items()
+        if learner in applied
+    }
+
+
 def newest_marks(marks: Iterable[Mapping[str, PaceMark]]) -> dict[str, PaceMark]:
     """Per learner, the newest of the marks (the latest incarnation, then step)."""
     newest: dict[str, PaceMark] = {}

@@ -31,7 +31,7 @@ from compose.processes import free_port_pair
 from learner.config import WorkloadConfig
 from learner.model import ModelConfig
 from learner.workload import write_initial
-from syncer.checkpoint import fragment_path, load_fragment
+from syncer.checkpoint import fragment_path, load_fragment, read_changes
 from syncer.config import OuterConfig, SyncerConfig
 from syncer.service import Syncer
 from tests.servers import run_keys, take_globals, wait_until
@@ -466,9 +466,11 @@ def test_a_successor_writes_nothing_redis_holds_before_its_first_round(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     """A syncer that takes a shard over from Redis (its host's disk lost) serves
-    without writing the weights Redis holds again (1 GB at 250M parameters)
-    or its full checkpoint (2 GB): its next change follows the list Redis
-    holds, and its first round writes the full state to its own folder."""
+    without writing the weights Redis holds again (1 GB at 250M parameters):
+    its next change follows the list Redis holds. The rebuilt version's state
+    goes to its own folder beside the rounds (4 bytes per parameter, where the
+    first round wrote 8 on its path), and the first round appends its record
+    after it."""
     first = make_syncer(tmp_path, 0, url=redis_server.url)
     first.handle([delta_on(first, "a", 1, 0.1), delta_on(first, "b", 1, 0.1)])
     assert first.states[0].version == 1
@@ -485,12 +487,13 @@ def test_a_successor_writes_nothing_redis_holds_before_its_first_round(
         assert successor.states[0].version == 1
         assert admin.get(model_key("svc", 0)) == weights
         assert admin.xlen(globals_stream_key("svc")) == stream  # nothing published
-        assert load_fragment(tmp_path / "a", 0) is None
         successor.handle([delta_on(successor, "a", 2, 0.1), delta_on(successor, "b", 2, 0.1)])
         assert successor.states[0].version == 2
         assert admin.get(model_key("svc", 0)) == weights  # the change went to the list
         assert admin.llen(changes_key("svc", 0)) == listed + 1
         saved = load_fragment(tmp_path / "a", 0)
-        assert saved is not None and saved[1]["version"] == 2
+        assert saved is not None and saved[1]["version"] == 1
+        assert set(saved[0]) == {"version.1"}  # no master, no momentum: the version is both
+        assert [r[0] for r in read_changes(tmp_path / "a", 0)] == [2]
     finally:
         successor.shutdown()

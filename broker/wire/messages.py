@@ -158,15 +158,12 @@ class GlobalFragment(_TensorMessage):
     # learner refuses a global or an ack of a lower term than one it took: a
     # syncer that woke after another took its shard over is heard no more.
     term: int = 0
-    # The syncer's own state that goes with this version (msgpack; opaque to
-    # learners), over ZeroMQ, where no broker keeps it: a learner keeps the
-    # latest it took and hands it back to a syncer that lost its checkpoint
-    # (Recall), which resumes from it. Empty over Redis (kept beside the
-    # snapshot there) and where it would not fit (MAX_RESUME_BYTES).
+    # Over ZeroMQ: the syncer's state for this version (msgpack, opaque to
+    # learners), which a learner hands back to a syncer that lost its
+    # checkpoint (Recall). Empty over Redis, which keeps it beside the snapshot.
     resume: bytes = b""
-    # The signature of this version as fp32 weights (:meth:`held_form`): what
-    # a learner holding the weights can prove it holds to a successor syncer.
-    # Not itself signed (it is a signature on its own). Empty: unsigned.
+    # The signature of this version's :meth:`held_form` (not signed again: it
+    # is a signature on its own). Empty: unsigned.
     snapshot_signature: str = ""
     # The syncers' Ed25519 signature (hex) of everything above and the payload
     # (broker.identity.signing.signing_digest); learners with the run's keys check it
