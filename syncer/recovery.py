@@ -5,9 +5,11 @@ lacks them (docs/design.md, takeover)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
+import torch
 
 from broker.errors import ConfigError
 from broker.fragments import FragmentPlan
@@ -53,14 +55,15 @@ def rebuild_from_broker(
     transport: SyncerTransport,
     states: dict[int, FragmentState],
     owned: list[int],
-    fresh: list[int],
+    plan: FragmentPlan,
     checkpoint_dir: Path,
     recall_s: float,
+    new_state: Callable[[int, torch.Tensor], FragmentState],
 ) -> list[int]:
     """Rebuild each owned fragment whose latest version the broker keeps
     (Redis, with the state published beside it) or, over ZeroMQ, the
     learners hold (with the state that came with it, signed), and the
-    checkpoint here does not: none of it (``fresh``: the host and its disk were lost), or
+    checkpoint here does not: none of it (the host and its disk were lost), or
     an older one (this syncer served the shard before another took it
     over, elsewhere). It goes on from that version, in its epoch, with the
     de-duplication state that goes with it, so the run goes on where it
@@ -69,13 +72,15 @@ def rebuild_from_broker(
     from zero), the master's lead over the published version and the
     older kept versions (deltas based on them are refused as stale, and
     their learners take the latest). ``recall_s``: how long learners are
-    asked where they hold what no broker keeps (ZeroMQ). Returns the
+    asked where they hold what no broker keeps (ZeroMQ). ``states``: those
+    of the fragments with a checkpoint; a rebuilt fragment without one is
+    added, built by ``new_state`` on the version found. Returns the
     fragments rebuilt."""
-    held = {p: s.weights for p, s in states.items() if p not in fresh}
+    held = {p: s.weights for p, s in states.items()}
     rebuilt = []
     for p, (latest, raw) in sorted(transport.resume_points(owned, held, recall_s).items()):
-        state = states[p]
-        if p not in fresh and (latest.epoch, latest.version) <= (state.epoch, state.version):
+        state = states.get(p)
+        if state is not None and (latest.epoch, latest.version) <= (state.epoch, state.version):
             continue  # the checkpoint here is as new (or a round ahead: not yet published)
         try:
             meta = msgpack.unpackb(raw, raw=False) if raw else None
@@ -87,11 +92,14 @@ def rebuild_from_broker(
         ):
             log.warning("fragment %d: the state found is not its latest version's", p)
             continue
-        if latest.numel != state.numel:
+        if latest.numel != plan.fragment_numel(p):
             log.warning("fragment %d: the latest version found is not this model's", p)
             continue
+        weights = latest.tensor()
         try:
-            state.load({f"version.{latest.version}": latest.tensor()}, meta)
+            if state is None:
+                state = states[p] = new_state(p, weights)
+            state.load({f"version.{latest.version}": weights}, meta)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             # Signed by a syncer where the run has keys; a run without keys
             # takes a learner's at its word.

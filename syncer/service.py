@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import torch
+
 from broker.checks import MAX_ID_LEN
 from broker.connect import connect_syncer, lease_shard
 from broker.errors import ConfigError, Fenced, TransportError
@@ -200,22 +202,29 @@ class Syncer:
         # One pool of packed delta rows for every owned fragment: a round holds
         # rows only until it closes (syncer/buffers.py).
         rows = PackedRows(max(self.plan.fragment_numel(p) for p in self.owned), run.delta_codec)
+
+        def new_state(p: int, weights: torch.Tensor) -> FragmentState:
+            return FragmentState(
+                p, weights, outer, run, published_s=started_s, epoch=fresh_epoch, rows=rows
+            )
+
         for p in self.owned:
-            state = FragmentState(
-                p, initial.fragment(p), outer, run,
-                published_s=started_s, epoch=fresh_epoch, rows=rows,
-            )  # fmt: skip
             saved = load_fragment(self.checkpoint_dir, p)
-            if saved is not None:
-                state.load(*saved)
-                # The rounds logged after the full state, in order (older ones:
-                # a crash between the full state's rename and the log's removal).
-                records = read_changes(self.checkpoint_dir, p, cut=True)
-                state.replay(records)
-                logged[p] = len(records)
-                resumed.append(f"{p}@v{state.version}")
-            else:
-                fresh.append(p)
+            if saved is None:
+                fresh.append(p)  # built below: rebuilt, or from the initial model
+                continue
+            tensors, meta = saved
+            # Built on its checkpoint's version, which it loads: the initial
+            # model is read only for what starts from it (1 GB at 250M).
+            current = tensors.get(f"version.{meta.get('version')}")
+            state = new_state(p, initial.fragment(p) if current is None else current)
+            state.load(tensors, meta)
+            # The rounds logged after the full state, in order (older ones:
+            # a crash between the full state's rename and the log's removal).
+            records = read_changes(self.checkpoint_dir, p, cut=True)
+            state.replay(records)
+            logged[p] = len(records)
+            resumed.append(f"{p}@v{state.version}")
             self.states[p] = state
         if resumed:
             log.info("resumed fragments from %s: %s", self.checkpoint_dir, ", ".join(resumed))
@@ -243,11 +252,21 @@ class Syncer:
             []
             if cfg.new_epoch
             else rebuild_from_broker(
-                self.transport, self.states, self.owned, fresh, self.checkpoint_dir, cfg.recall_s
-            )
+                self.transport,
+                self.states,
+                self.owned,
+                self.plan,
+                self.checkpoint_dir,
+                cfg.recall_s,
+                new_state,
+            )  # fmt: skip
         )
         if unrebuilt := [p for p in fresh if p not in rebuilt and not cfg.new_epoch]:
             self._refuse_to_forget(unrebuilt)
+        for p in fresh:
+            if p not in rebuilt:
+                self.states[p] = new_state(p, initial.fragment(p))
+        self.states = {p: self.states[p] for p in self.owned}
         # Version 0 is durable before it is published, like every later one: a
         # syncer killed before its first round comes back in the same epoch
         # instead of refusing every delta in flight (wrong_epoch). A rebuilt
