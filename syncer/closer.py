@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -247,36 +248,41 @@ class FirstSaves:
     the syncer serves: 4 bytes per parameter, the version and its small state,
     all a rebuilt fragment holds (its master is the version, its momentum
     zero), where its first round wrote the whole state on its path (2 GB at
-    250M parameters). The version's memory is not written over while the
-    thread holds it (:meth:`syncer.versions.Versions.writable`). A syncer
-    killed before a fragment's is done rebuilds it again."""
+    250M parameters). A fragment whose round comes first is written by that
+    round (:meth:`wait`), not after every fragment before it. The version's
+    memory is not written over while a job holds it
+    (:meth:`syncer.versions.Versions.writable`). A syncer killed before a
+    fragment's is done rebuilds it again."""
 
     def __init__(self, directory: Path, states: dict[int, FragmentState], fragments: list[int]):
-        self._done = {p: threading.Event() for p in fragments}
-        self._error: BaseException | None = None
-        jobs = [
-            (p, {f"version.{states[p].version}": states[p].weights}, states[p].meta())
+        self._directory = directory
+        # Per fragment: what to write, until written (under its lock).
+        self._jobs: dict[int, tuple[dict[str, Any], dict[str, Any]] | None] = {
+            p: ({f"version.{states[p].version}": states[p].weights}, states[p].meta())
             for p in fragments
-        ]
-        threading.Thread(
-            target=self._write, args=(directory, jobs), name="ddiloco-first-saves", daemon=True
-        ).start()
+        }
+        self._locks = {p: threading.Lock() for p in fragments}
+        self._error: BaseException | None = None
+        threading.Thread(target=self._write_all, name="ddiloco-first-saves", daemon=True).start()
 
-    def _write(self, directory: Path, jobs: list[tuple[int, dict, dict]]) -> None:
+    def _write(self, p: int) -> None:
+        with self._locks[p]:
+            job = self._jobs[p]
+            if job is not None:
+                save_fragment(self._directory, p, *job)
+                self._jobs[p] = None
+
+    def _write_all(self) -> None:
         try:
-            for p, tensors, meta in jobs:
-                save_fragment(directory, p, tensors, meta)
-                self._done[p].set()
+            for p in self._locks:
+                self._write(p)
         except BaseException as e:  # raised on the syncer's thread by wait()
             self._error = e
-            for event in self._done.values():
-                event.set()
 
     def wait(self, p: int) -> None:
-        """Return once fragment ``p``'s first state is on disk (at once if it is
-        not one of them); raise what stopped the writer."""
-        done = self._done.get(p)
-        if done is not None:
-            done.wait()
+        """Return once fragment ``p``'s first state is on disk (written here if
+        the thread has not come to it; at once if it is not one of them)."""
         if self._error is not None:
             raise self._error
+        if p in self._locks:
+            self._write(p)
