@@ -31,6 +31,9 @@ from broker.wire.messages import Delta
 log = logging.getLogger(__name__)
 
 _DELTAS_READ_COUNT = 64  # per stream and call
+# Streams claimed from per round trip. What they hand over is what a dead
+# consumer had read and not acknowledged (its rounds in flight), not a backlog.
+_CLAIM_BATCH = 16
 # Bytes one read returns at most (one entry at least): 250M parameters over
 # 24 fragments and 16 learners made 384 streams of 1.8 MB deltas, and a read of
 # what had piled up outlasted the socket's timeout, failed, and was tried
@@ -274,43 +277,48 @@ class DeltaReader:
         if time.monotonic() < self._next_claim_at:
             return []
         items: list[Inbound] = []
-        for stream in self.streams:
-            cursor = self._claim_cursor.get(stream, "0-0")
-            if cursor == "done":
-                continue
-            # A predecessor under an older term (another host's syncer: another
-            # consumer name) can ack nothing more: its entries are ours now.
-            at_once = self.fence is not None and stream not in self._swept
-            idle_ms = 0 if at_once else int(self._claim_idle_s * 1000)
-            reply = cast(
-                list[Any],
+        due = [s for s in self.streams if self._claim_cursor.get(s, "0-0") != "done"]
+        # Pipelined, a batch of streams per round trip: a syncer that takes over
+        # scans every stream of its shard at once (384 at 24 fragments and 16
+        # learners took 5 s one call at a time, every round waiting).
+        for start in range(0, len(due), _CLAIM_BATCH):
+            batch = due[start : start + _CLAIM_BATCH]
+            pipe = self._client.pipeline(transaction=False)
+            for stream in batch:
+                # A predecessor under an older term (another host's syncer: another
+                # consumer name) can ack nothing more: its entries are ours now.
+                at_once = self.fence is not None and stream not in self._swept
+                idle_ms = 0 if at_once else int(self._claim_idle_s * 1000)
                 self._claim_script(
                     keys=[stream],
-                    args=[self._group, self._consumer, _DELTAS_READ_COUNT, idle_ms, cursor,
-                          self._max_message_bytes],
-                ),
-            )  # fmt: skip
-            self._count_dropped(int(reply[0]))
-            next_cursor, entries, deleted = to_str(reply[1]), _entries(reply[2]), reply[3]
-            self._stats.rejected["trimmed"] += len(deleted)  # dropped from the PEL by redis
-            # Our own entries that the caller still holds come back too once idle
-            # for claim_idle_s; they are not handed out again.
-            claimed = [(i, f) for i, f in entries if not self._held((stream, to_str(i)))]
-            if claimed:
-                log.info(
-                    "syncer %s: claimed %d abandoned entries of %s",
-                    self._consumer,
-                    len(claimed),
-                    stream,
-                )
-            items += self._accept(stream, claimed)
-            self._claim_cursor[stream] = "done" if next_cursor == "0-0" else next_cursor
-            if next_cursor == "0-0":
-                self._swept.add(stream)
+                    args=[self._group, self._consumer, _DELTAS_READ_COUNT, idle_ms,
+                          self._claim_cursor.get(stream, "0-0"), self._max_message_bytes],
+                    client=pipe,
+                )  # fmt: skip
+            for stream, reply in zip(batch, cast(list[Any], pipe.execute()), strict=True):
+                items += self._claimed(stream, reply)
         if all(self._claim_cursor.get(s) == "done" for s in self.streams):
             self._claim_cursor.clear()
             self._next_claim_at = time.monotonic() + self._claim_interval_s
         return items
+
+    def _claimed(self, stream: str, reply: list[Any]) -> list[Inbound]:
+        """What one stream's claim (CLAIM_BOUNDED) handed over, its cursor moved on."""
+        self._count_dropped(int(reply[0]))
+        next_cursor, entries, deleted = to_str(reply[1]), _entries(reply[2]), reply[3]
+        self._stats.rejected["trimmed"] += len(deleted)  # dropped from the PEL by redis
+        # Our own entries that the caller still holds come back too once idle
+        # for claim_idle_s; they are not handed out again.
+        claimed = [(i, f) for i, f in entries if not self._held((stream, to_str(i)))]
+        if claimed:
+            log.info(
+                "syncer %s: claimed %d abandoned entries of %s",
+                self._consumer, len(claimed), stream,
+            )  # fmt: skip
+        self._claim_cursor[stream] = "done" if next_cursor == "0-0" else next_cursor
+        if next_cursor == "0-0":
+            self._swept.add(stream)
+        return self._accept(stream, claimed)
 
     def _held(self, token: Token) -> bool:
         return token in self._outstanding or token in self._handing_out
