@@ -517,12 +517,17 @@ def _report(
     idle = idle_syncer_rss()
     latencies, summaries, applied = [], [], 0
     round_times: list[list[float]] = [[] for _ in range(load.shards)]
+    # Every round, with quorum or not (a restarted syncer closes rounds on the
+    # learners heard from so far, before all are back).
+    any_round_times: list[list[float]] = [[] for _ in range(load.shards)]
     for shard in range(load.shards):
         for line in (folder / f"syncer-{shard}.jsonl").read_text().splitlines():
             e = json.loads(line)
             # Terms merged, by round (written as it closes): a killed shard writes
             # no summary. A learner's deltas folded into one term count once.
             applied += e["included"] if e["event"] == "round" else 0
+            if e["event"] == "round":
+                any_round_times[shard].append(e["t"])
             if e["event"] == "round" and e.get("quorum_to_publish_s") is not None:
                 latencies.append(e["quorum_to_publish_s"])
                 round_times[shard].append(e["t"])
@@ -565,20 +570,24 @@ def _report(
         "redis_commands": raw["redis_commands"],
         "delta_bytes_per_param": (folder / "delta-0.bin").stat().st_size / plan.fragment_numel(0),
         "seconds": seconds,
-        "shard_kill": _outage(raw["kill"], round_times) if raw["kill"] else None,
+        "shard_kill": _outage(raw["kill"], round_times, any_round_times) if raw["kill"] else None,
         "learners": rows,
     }
 
 
-def _outage(kill: dict[str, float], round_times: list[list[float]]) -> dict[str, Any]:
-    """Shard 0's outage, from its kill to its first round after it, and each
-    shard's rounds closed within it."""
+def _outage(
+    kill: dict[str, float], round_times: list[list[float]], any_round_times: list[list[float]]
+) -> dict[str, Any]:
+    """Shard 0's outage, from its kill to its first round at quorum after it (and
+    to its first round of any size), and each shard's rounds closed within it."""
     killed_at = kill["killed_at"]
     back = min((t for t in round_times[0] if t > killed_at), default=None)
+    first = min((t for t in any_round_times[0] if t > killed_at), default=None)
     end = back if back is not None else math.inf
     return {
         "killed_at": killed_at,
         "restart_ready_s": kill["restarted_at"] - killed_at,
+        "first_round_s": None if first is None else first - killed_at,
         "outage_s": None if back is None else back - killed_at,
         "rounds_in_outage_by_shard": [
             sum(1 for t in times if killed_at < t < end) for times in round_times
