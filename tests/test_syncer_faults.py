@@ -380,48 +380,22 @@ def test_a_syncer_whose_checkpoint_folder_is_lost_resumes_from_redis_in_the_same
     round merged come again and are known). On another host (another syncer
     id: another consumer of the group) it takes the dead one's pending deltas
     at once under its term, not after claim_idle_s (here 600 s, past the test)."""
-    write_initial_model(tmp_path)
     url = f"{compose_redis.url}?claim_idle_s=600"
-    syncer = SyncerProcess(tmp_path, url)
-    syncer.start("--crash-at", "before_ack")
-    learners = TwoLearners(url, syncer)
-    epochs: dict[int, int] = {}
-
-    def keep_going() -> bool:
-        if syncer.returncode() is not None and not epochs:
-            epochs.update({p: g.epoch for p, g in learners.latest.items()})
-            shutil.rmtree(syncer.checkpoint_dir)  # the host and its disk are gone
-            syncer.start(*(["--syncer-id", "elsewhere"] if successor == "another_host" else []))
-        learners.turn()
-        return True
-
-    try:
-        play_to_the_end(learners, lambda: keep_going() and ready_lines(syncer) >= 2)
-    finally:
-        learners.close()
-        syncer.stop()
-
-    assert "rebuilt from the run's latest globals" in (tmp_path / "syncer.log").read_text()
-    assert {p: g.epoch for p, g in learners.latest.items()} == epochs  # the same lineage
+    elsewhere = ["--syncer-id", "elsewhere"] if successor == "another_host" else []
+    learners, _ = play_through_a_lost_host(tmp_path, url, *elsewhere)
     # A rebuilt fragment keeps only its latest version: a delta on an older one
     # (sent while the syncer was down) is refused stale, as docs/design.md says.
     check_applied_once(learners, 1, refusable=frozenset({"stale"}))
 
 
-@pytest.mark.timeout(180)
-def test_a_zmq_syncer_whose_checkpoint_folder_is_lost_takes_the_learners_latest_back(
-    tmp_path: Path,
-) -> None:
-    """Over ZeroMQ no broker keeps globals: the syncer's host is lost between
-    a round's publish and its acks (SIGKILL, its checkpoint folder deleted),
-    and a new syncer asks the learners what they hold, checks the run's
-    signature on their latest version and takes it back with the state
-    published with it, in the same epoch. Nothing acknowledged is lost and
-    nothing applied twice. Whether the lost round's global reached the
-    learners before the kill is up to the kernel: if it did, the rebuilt
-    state knows its deltas when they come again (not merged twice); if not,
-    they are merged anew on the version before."""
-    url = f"zmq://127.0.0.1:{free_port_pair()}?ack_timeout_s=0.5"
+def play_through_a_lost_host(
+    tmp_path: Path, url: str, *restart_args: str
+) -> tuple[TwoLearners, list[int]]:
+    """Kill the syncer between a round's publish and its acks, delete its
+    checkpoint folder (the host and its disk are gone), start another
+    (``restart_args``) and play the learners to the end. It must rebuild in
+    the same epoch. The learners, and the fragments whose killed round's
+    global reached them before the folder went."""
     write_initial_model(tmp_path)
     syncer = SyncerProcess(tmp_path, url)
     syncer.start("--crash-at", "before_ack")
@@ -441,7 +415,7 @@ def test_a_zmq_syncer_whose_checkpoint_folder_is_lost_takes_the_learners_latest_
                 if version > 0 and (p, version) not in logged:
                     lost_round_held.extend([p] if learners.latest[p].version == version else [])
             shutil.rmtree(syncer.checkpoint_dir)  # the host and its disk are gone
-            syncer.start()
+            syncer.start(*restart_args)
         learners.turn()
         return True
 
@@ -450,9 +424,26 @@ def test_a_zmq_syncer_whose_checkpoint_folder_is_lost_takes_the_learners_latest_
     finally:
         learners.close()
         syncer.stop()
-
     assert "rebuilt from the run's latest globals" in (tmp_path / "syncer.log").read_text()
     assert {p: g.epoch for p, g in learners.latest.items()} == epochs  # the same lineage
+    return learners, lost_round_held
+
+
+@pytest.mark.timeout(180)
+def test_a_zmq_syncer_whose_checkpoint_folder_is_lost_takes_the_learners_latest_back(
+    tmp_path: Path,
+) -> None:
+    """Over ZeroMQ no broker keeps globals: the syncer's host is lost between
+    a round's publish and its acks (SIGKILL, its checkpoint folder deleted),
+    and a new syncer asks the learners what they hold, checks the run's
+    signature on their latest version and takes it back with the state
+    published with it, in the same epoch. Nothing acknowledged is lost and
+    nothing applied twice. Whether the lost round's global reached the
+    learners before the kill is up to the kernel: if it did, the rebuilt
+    state knows its deltas when they come again (not merged twice); if not,
+    they are merged anew on the version before."""
+    url = f"zmq://127.0.0.1:{free_port_pair()}?ack_timeout_s=0.5"
+    learners, lost_round_held = play_through_a_lost_host(tmp_path, url)
     check_applied_once(learners, len(lost_round_held), refusable=frozenset({"stale"}))
 
 
