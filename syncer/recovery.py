@@ -15,7 +15,7 @@ from broker.errors import ConfigError
 from broker.fragments import FragmentPlan
 from broker.run.settings import RunSettings
 from broker.transport import SyncerTransport
-from syncer.checkpoint import load_manifest, save_manifest
+from syncer.checkpoint import load_fragment, load_manifest, read_changes, save_manifest
 from syncer.fragment_state import FragmentState
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,41 @@ def check_manifest(checkpoint_dir: Path, plan: FragmentPlan, run: RunSettings) -
             "initial_model": run.initial_model,
         },
     )
+
+
+def resume_from_folder(
+    checkpoint_dir: Path,
+    owned: list[int],
+    new_state: Callable[[int, torch.Tensor], FragmentState],
+    initial: Callable[[int], torch.Tensor],
+) -> tuple[dict[int, FragmentState], dict[int, int], list[int]]:
+    """The states of the ``owned`` fragments whose checkpoint the folder holds
+    (each built on its checkpoint's version, which it loads: the initial
+    model, ``initial``, is read only for what starts from it, 1 GB at 250M),
+    with the rounds logged after each full state replayed; the rounds in each
+    log; and the fragments the folder lacks."""
+    states: dict[int, FragmentState] = {}
+    logged: dict[int, int] = {}
+    fresh, resumed = [], []
+    for p in owned:
+        saved = load_fragment(checkpoint_dir, p)
+        if saved is None:
+            fresh.append(p)
+            continue
+        tensors, meta = saved
+        current = tensors.get(f"version.{meta.get('version')}")
+        state = new_state(p, initial(p) if current is None else current)
+        state.load(tensors, meta)
+        # The rounds logged after the full state, in order (older ones: a
+        # crash between the full state's rename and the log's removal).
+        records = read_changes(checkpoint_dir, p, cut=True)
+        state.replay(records)
+        logged[p] = len(records)
+        resumed.append(f"{p}@v{state.version}")
+        states[p] = state
+    if resumed:
+        log.info("resumed fragments from %s: %s", checkpoint_dir, ", ".join(resumed))
+    return states, logged, fresh
 
 
 def rebuild_from_broker(

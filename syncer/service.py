@@ -41,8 +41,6 @@ from broker.runtime import default_holder, freeze_startup_heap
 from broker.transport import Inbound, SyncerTransport
 from syncer.buffers import PackedRows
 from syncer.checkpoint import (
-    load_fragment,
-    read_changes,
     save_fragment,
 )
 from syncer.closer import RoundCloser
@@ -52,7 +50,7 @@ from syncer.intake import Intake
 from syncer.membership import Membership
 from syncer.metrics import SyncerMetrics
 from syncer.quorum import Roster
-from syncer.recovery import check_manifest, rebuild_from_broker
+from syncer.recovery import check_manifest, rebuild_from_broker, resume_from_folder
 from syncer.trust import newest_marks, restart_marks
 
 if TYPE_CHECKING:
@@ -192,13 +190,10 @@ class Syncer:
         self.checkpoint_dir = _shard_folder(Path(cfg.checkpoint_dir), self.shard, run.syncer_shards)
         self._lock = held or _lock_folder(self.checkpoint_dir)
         check_manifest(self.checkpoint_dir, self.plan, cfg.run)
-        self.states: dict[int, FragmentState] = {}
-        resumed, fresh = [], []
         started_s = self.wall_clock()
         # A fragment without a checkpoint starts a new epoch; a resumed one keeps
         # the epoch of its checkpoint, so learners' versions stay comparable.
         fresh_epoch = time.time_ns()
-        logged: dict[int, int] = {}  # per fragment, rounds in its log
         # One pool of packed delta rows for every owned fragment: a round holds
         # rows only until it closes (syncer/buffers.py).
         rows = PackedRows(max(self.plan.fragment_numel(p) for p in self.owned), run.delta_codec)
@@ -208,26 +203,10 @@ class Syncer:
                 p, weights, outer, run, published_s=started_s, epoch=fresh_epoch, rows=rows
             )
 
-        for p in self.owned:
-            saved = load_fragment(self.checkpoint_dir, p)
-            if saved is None:
-                fresh.append(p)  # built below: rebuilt, or from the initial model
-                continue
-            tensors, meta = saved
-            # Built on its checkpoint's version, which it loads: the initial
-            # model is read only for what starts from it (1 GB at 250M).
-            current = tensors.get(f"version.{meta.get('version')}")
-            state = new_state(p, initial.fragment(p) if current is None else current)
-            state.load(tensors, meta)
-            # The rounds logged after the full state, in order (older ones:
-            # a crash between the full state's rename and the log's removal).
-            records = read_changes(self.checkpoint_dir, p, cut=True)
-            state.replay(records)
-            logged[p] = len(records)
-            resumed.append(f"{p}@v{state.version}")
-            self.states[p] = state
-        if resumed:
-            log.info("resumed fragments from %s: %s", self.checkpoint_dir, ", ".join(resumed))
+        # logged: per fragment, rounds in its log.
+        self.states, logged, fresh = resume_from_folder(
+            self.checkpoint_dir, self.owned, new_state, initial.fragment
+        )
         # Redis: every write that publishes or acknowledges checks the shard's term.
         self.fence = (
             None if self.shard_lease is None or cfg.lease_store else self.shard_lease.fence()

@@ -100,7 +100,10 @@ def running_syncer(
     quorum: int,
     url: str | None = None,
     insecure: bool = False,
+    recall_s: float = 0.0,
 ) -> Iterator[tuple[Syncer, str]]:
+    """``recall_s``: 0 unless a test asks, since its learners hold nothing a new
+    syncer could take back (tests/test_recall.py waits, as deployed)."""
     url = url or f"zmq://127.0.0.1:{free_port_pair()}"
     initial = tmp_path / "initial.safetensors"
     plan = FragmentPlan.for_model(model, SETTINGS["fragments"], SETTINGS["sync_every"])
@@ -118,6 +121,7 @@ def running_syncer(
         outer=OuterConfig(outer_lr=1.0, outer_momentum=0.0),
         checkpoint_dir=str(tmp_path / "checkpoint"),
         metrics_file=str(tmp_path / "syncer.jsonl"),
+        recall_s=recall_s,
     )
     syncer = Syncer(cfg)
     thread = threading.Thread(target=syncer.run, daemon=True)
@@ -372,11 +376,16 @@ def test_a_restart_resumes_step_tokens_incarnation_and_optimizer_state(tmp_path:
 
 
 @pytest.mark.timeout(120)
-def test_a_syncer_that_lost_its_checkpoint_cannot_lock_learners_out(tmp_path: Path) -> None:
-    """The attack (or accident): a syncer restarted on an empty checkpoint folder starts
-    again at version 0 while learners hold higher versions. Before epochs, learners
-    ignored its globals as old and it refused their deltas: the run learned nothing,
-    silently. Now its globals carry a new epoch, which learners take as newer."""
+@pytest.mark.parametrize("recall_s", [4.0, 0.0], ids=["taken_back", "new_epoch"])
+def test_a_syncer_that_lost_its_checkpoint_cannot_lock_learners_out(
+    tmp_path: Path, recall_s: float
+) -> None:
+    """The attack (or accident): a syncer restarted on an empty checkpoint folder,
+    while learners hold higher versions. Before epochs, it started again at version
+    0, learners ignored its globals as old and it refused their deltas: the run
+    learned nothing, silently. Now it takes the learner's version back, in its
+    epoch (docs/design.md, "Epochs"); where it asks nobody (--recall-s 0) its
+    globals carry a new epoch, which learners take as newer."""
     model = make_model()
     url = f"zmq://127.0.0.1:{free_port_pair()}"
     sync = DecoupledDiLoCo(model, url, learner_id="l", learners=1, **SETTINGS)
@@ -388,9 +397,17 @@ def test_a_syncer_that_lost_its_checkpoint_cannot_lock_learners_out(tmp_path: Pa
             return min(sync.fragments.versions()) >= 3
 
         wait_until(moved_on, 60, what="the learner to hold version 3 or later")
-    with running_syncer(tmp_path / "second", make_model(), 1, 1, url=url) as (second, _):
+    held = sync.fragments.versions()
+    with running_syncer(tmp_path / "second", make_model(), 1, 1, url=url, recall_s=recall_s) as (
+        second,
+        _,
+    ):
         epoch = second.states[0].epoch
-        assert epoch != first.states[0].epoch
+        if recall_s:
+            assert epoch == first.states[0].epoch
+            assert all(second.states[p].version >= held[p] >= 3 for p in range(2))
+        else:
+            assert epoch != first.states[0].epoch
 
         def learning_again() -> bool:
             train(sync, model, steps=4, seed=2)
