@@ -238,7 +238,7 @@ class Syncer:
                 self.checkpoint_dir,
                 cfg.recall_s,
                 new_state,
-            )  # fmt: skip
+            )
         )
         if unrebuilt := [p for p in fresh if p not in rebuilt and not cfg.new_epoch]:
             self._refuse_to_forget(unrebuilt)
@@ -254,6 +254,8 @@ class Syncer:
         # save_in_background; a successor killed before then rebuilds again).
         for p in sorted(set(fresh) - set(rebuilt)):
             save_fragment(self.checkpoint_dir, p, *self.states[p].state())
+        for p in rebuilt:  # its new full state replaces any log of an older one
+            logged[p] = 0
         self.metrics = SyncerMetrics(cfg.metrics_port, cfg.metrics_file, run.metrics_host)
         # After a restart, the learners the checkpoint has applied deltas of, and
         # where their paces go on from.

@@ -298,7 +298,8 @@ class ZmqSyncerTransport(SyncerTransport):
         else:  # the weights as fp32 are the held form itself
             sent = held
         parts = wire.encode_parts(sent, self.max_message_bytes)
-        whole = parts if snapshot is None else self._encoded(held)
+        # held is signed already: encoded as it is, not signed (hashed) again.
+        whole = parts if snapshot is None else wire.encode_parts(held, self.max_message_bytes)
         self._latest.store(fragment, whole, self._encoded(held.without_weights()))
         self._broadcast(parts)
 
