@@ -229,7 +229,10 @@ class LocalRun:
             args = self.network.command(name, args)
         return Proc(name, args, self.out / "logs" / f"{name}.log", env=env or {})
 
-    def syncer_proc(self) -> Proc:
+    def syncer_proc(self, first_start: bool = False) -> Proc:
+        """The syncer. Its first start asks no learner for the run's latest globals
+        (``--recall-s 0``): the learners start after it, so none holds any; a restart
+        (a chaos kill that lost the folder) asks them as a user's syncer would."""
         outer = self.cfg.outer
         if self.mode == "diloco":
             outer = dataclasses.replace(outer, grace_gamma=0.0)  # nothing to wait for: K = M
@@ -239,6 +242,8 @@ class LocalRun:
             checkpoint_dir=str(self.out / "checkpoint"),
             metrics_file=str(self.out / "syncer.jsonl"),
         )
+        if first_start:
+            cfg = dataclasses.replace(cfg, recall_s=0.0)
         return self._command("syncer", "syncer", cfg)
 
     def evaluator_proc(self) -> Proc:
@@ -329,8 +334,9 @@ class LocalRun:
             # The syncer's start: the same initial model file whoever connects first.
             if cfg.run.initial_model == RunSettings.initial_model:
                 write_initial(self.run_settings, cfg.workload)
-            self.syncer = self.syncer_proc()
+            self.syncer = self.syncer_proc(first_start=True)
             self.syncer.start(self.events)
+            self.syncer.args = self.syncer_proc().args  # what a restart runs
             self.syncer.wait_ready(120)
             self.evaluator = self.evaluator_proc()
             self.evaluator.start(self.events)

@@ -181,3 +181,21 @@ def test_a_second_sigterm_or_ctrl_c_does_not_cut_the_launchers_stop_short() -> N
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)  # delivered here, if not ignored: the test would end
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_a_local_syncer_asks_learners_for_the_run_only_when_restarted(tmp_path: Path) -> None:
+    """Its first start comes before any learner's, so nobody holds a global to take
+    back and waiting for claims would only delay the run; a restarted syncer (a chaos
+    kill that lost its folder) asks them, as a user's syncer does."""
+    from compose.local import LocalConfig
+    from syncer.config import SyncerConfig
+
+    run = LocalRun(LocalConfig(out=str(tmp_path / "run")))
+
+    def recall_s(args: list[str]) -> float:
+        if "--recall-s" not in args:
+            return SyncerConfig.recall_s
+        return float(args[args.index("--recall-s") + 1])
+
+    assert recall_s(run.syncer_proc(first_start=True).args) == 0.0
+    assert recall_s(run.syncer_proc().args) == SyncerConfig.recall_s > 0
