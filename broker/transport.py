@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 # Defined in broker.errors; re-exported here, where the transports import them.
 from broker.errors import Backpressure as Backpressure
@@ -122,7 +122,19 @@ class Terms:
 
 
 # What a learner holds of a fragment, for a recall (LearnerTransport.answer_recalls).
-HeldGlobals = Callable[[int, bool], "GlobalFragment | None"]
+HeldGlobals = Callable[[int, bool], "list[GlobalFragment]"]
+
+
+class ResumePoint(NamedTuple):
+    """What a syncer that lost its checkpoint resumes a fragment from
+    (:meth:`SyncerTransport.resume_points`): the latest version with its
+    weights, the syncer state published with it, and, where known, the signed
+    change that made that version (the last outer step's update, from which
+    the momentum is estimated: ``syncer.outer.momentum_from_change``)."""
+
+    latest: GlobalFragment
+    state: bytes
+    last_change: GlobalFragment | None = None
 
 
 @dataclass(frozen=True)
@@ -201,9 +213,10 @@ class LearnerTransport(abc.ABC):
         """Answer a syncer that lost its checkpoint from ``held`` (over ZeroMQ,
         where no broker keeps globals: :class:`~broker.wire.messages.Recall`).
         ``held(fragment, weights)``: the version of ``fragment`` this learner
-        holds, in its held form (:meth:`GlobalFragment.held_form`), with its
-        weights or without them, or None. A broker that keeps globals (Redis)
-        asks nothing."""
+        holds, in its held form (:meth:`GlobalFragment.held_form`), without its
+        weights (a claim), or with them, then preceded by the change that made
+        it where the learner took one; empty if it holds none. A broker that
+        keeps globals (Redis) asks nothing."""
         return None
 
     def refused_fragments(self) -> set[int]:
@@ -295,13 +308,14 @@ class SyncerTransport(abc.ABC):
 
     def resume_points(
         self, fragments: list[int], held: Mapping[int, Any] | None = None, wait_s: float = 0.0
-    ) -> dict[int, tuple[GlobalFragment, bytes]]:
+    ) -> dict[int, ResumePoint]:
         """The latest snapshot of each of ``fragments`` (with its weights) and the
         ``resume`` state published with it, where the broker keeps both (Redis:
         written in one transaction), or else the learners hold them (ZeroMQ:
-        asked for up to ``wait_s``, for those not in ``held``). ``held``: fp32
-        weights the caller holds, by fragment, not read again where they are
-        the latest (as :meth:`LearnerTransport.snapshot`)."""
+        asked for up to ``wait_s``, for those not in ``held``, with the change
+        that made it). ``held``: fp32 weights the caller holds, by fragment,
+        not read again where they are the latest (as
+        :meth:`LearnerTransport.snapshot`)."""
         return {}
 
     def serves(self, fragment: int, epoch: int, version: int) -> bool:

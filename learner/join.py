@@ -36,26 +36,34 @@ class GlobalDecoder:
     Callers hand every global they take to :meth:`decode`, in arrival order, and
     mark it accepted on the transport once decoded.
 
-    What it holds answers a syncer that lost its checkpoint (:meth:`held`).
+    What it holds answers a syncer that lost its checkpoint (:meth:`held`):
+    the version's weights, and the change that made it where it came as one
+    (kept encoded: a quarter byte per parameter with the default int2 globals),
+    from which the syncer estimates its momentum.
     """
 
     def __init__(self, plan: FragmentPlan, transport: LearnerTransport | None = None) -> None:
         self.plan = plan
         self.transport = transport
         # Per fragment: the version last decoded, its weights, and its global
-        # without the payload (its signatures and the syncer state it names).
+        # (a change whole; otherwise without the payload: its signatures and
+        # the syncer state it names).
         self._held: dict[int, tuple[Stamp, torch.Tensor, GlobalFragment]] = {}
         if transport is not None:
             transport.answer_recalls(self.held)
 
-    def held(self, fragment: int, weights: bool) -> GlobalFragment | None:
+    def held(self, fragment: int, weights: bool) -> list[GlobalFragment]:
         """The version of ``fragment`` held, in its held form
-        (:meth:`GlobalFragment.held_form`): with its weights, or without
-        (a claim); None if none is held."""
+        (:meth:`GlobalFragment.held_form`): without its weights (a claim), or
+        with them, then preceded by the change that made it if it came as one;
+        empty if none is held."""
         held = self._held.get(fragment)
         if held is None:
-            return None
-        return held[2].held_form(held[1]) if weights else held[2].without_weights()
+            return []
+        _, flat, g = held
+        if not weights:
+            return [g.without_weights()]
+        return [g, g.held_form(flat)] if g.is_change else [g.held_form(flat)]
 
     def decode(self, g: GlobalFragment) -> tuple[int, Stamp, torch.Tensor] | str:
         """(fragment, (epoch, version), weights) of a global that fits the plan, else why not."""
@@ -86,7 +94,8 @@ class GlobalDecoder:
             if self.transport is not None:
                 self.transport.resync(g.fragment)
             return DIVERGED
-        self._held[g.fragment] = ((g.epoch, g.version), flat, replace(g, payload=b""))
+        kept = g if g.is_change else replace(g, payload=b"")
+        self._held[g.fragment] = ((g.epoch, g.version), flat, kept)
         return g.fragment, (g.epoch, g.version), flat
 
 

@@ -30,3 +30,19 @@ def nesterov_step(
     # The update goes where the new weights will be, then they replace it.
     update = torch.add(grad, buf, alpha=momentum, out=new_weights)
     return torch.sub(weights, update, alpha=lr, out=new_weights), buf
+
+
+def momentum_from_change(change: torch.Tensor, lr: float) -> torch.Tensor:
+    """The momentum buffer estimated from the last published change
+    ``w_t - w_(t-1)`` alone, for a syncer whose checkpoint (and buffer) was lost.
+
+    The last step made ``w_t - w_(t-1) = -lr * (g + mu*b)``, and its buffer is
+    ``b = mu*b' + g``. Where the buffer has settled (``b' = b``, after some
+    1 / (1 - mu) rounds), ``g = (1 - mu) * b`` and so ``g + mu*b = b``: the
+    buffer is the last update, ``-(w_t - w_(t-1)) / lr``, exact for constant
+    gradients, and on average for noisy ones. Restarting from it rather than
+    from zero keeps the outer step's pace (zero would shrink the next steps
+    about tenfold at mu = 0.9 until the buffer built up again). With a lossy
+    global codec the change carries its rounding error too.
+    """
+    return change.to(torch.float32).mul(-1.0 / lr)

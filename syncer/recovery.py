@@ -11,12 +11,14 @@ from pathlib import Path
 import msgpack
 import torch
 
-from broker.errors import ConfigError
+from broker.errors import ConfigError, WireError
 from broker.fragments import FragmentPlan
 from broker.run.settings import RunSettings
 from broker.transport import SyncerTransport
+from broker.wire.messages import GlobalFragment
 from syncer.checkpoint import load_fragment, load_manifest, read_changes, save_manifest
 from syncer.fragment_state import FragmentState
+from syncer.outer import momentum_from_change
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ def rebuild_from_broker(
     plan: FragmentPlan,
     checkpoint_dir: Path,
     recall_s: float,
+    outer_lr: float,
     new_state: Callable[[int, torch.Tensor], FragmentState],
 ) -> list[int]:
     """Rebuild each owned fragment whose latest version the broker keeps
@@ -102,18 +105,23 @@ def rebuild_from_broker(
     an older one (this syncer served the shard before another took it
     over, elsewhere). It goes on from that version, in its epoch, with the
     de-duplication state that goes with it, so the run goes on where it
-    was and nothing is applied twice; not from the initial model. What
-    only the lost checkpoint held is gone: the momentum (it starts again
-    from zero), the master's lead over the published version and the
+    was and nothing is applied twice; not from the initial model. The
+    momentum is estimated from the change that made the version, where a
+    learner held it (:func:`syncer.outer.momentum_from_change`), else starts
+    again from zero. What only the lost checkpoint held is gone: the
+    momentum itself, the master's lead over the published version and the
     older kept versions (deltas based on them are refused as stale, and
     their learners take the latest). ``recall_s``: how long learners are
-    asked where they hold what no broker keeps (ZeroMQ). ``states``: those
+    asked where they hold what no broker keeps (ZeroMQ). ``outer_lr``: the
+    outer step's learning rate, to estimate momentum by. ``states``: those
     of the fragments with a checkpoint; a rebuilt fragment without one is
     added, built by ``new_state`` on the version found. Returns the
     fragments rebuilt."""
     held = {p: s.weights for p, s in states.items()}
-    rebuilt = []
-    for p, (latest, raw) in sorted(transport.resume_points(owned, held, recall_s).items()):
+    rebuilt, estimated = [], []
+    for p, (latest, raw, last_change) in sorted(
+        transport.resume_points(owned, held, recall_s).items()
+    ):
         state = states.get(p)
         if state is not None and (latest.epoch, latest.version) <= (state.epoch, state.version):
             continue  # the checkpoint here is as new (or a round ahead: not yet published)
@@ -131,10 +139,15 @@ def rebuild_from_broker(
             log.warning("fragment %d: the latest version found is not this model's", p)
             continue
         weights = latest.tensor()
+        tensors = {f"version.{latest.version}": weights}
+        momentum = _momentum_estimate(last_change, latest, outer_lr)
+        if momentum is not None:
+            tensors["momentum"] = momentum
+            estimated.append(p)
         try:
             if state is None:
                 state = states[p] = new_state(p, weights)
-            state.load({f"version.{latest.version}": weights}, meta)
+            state.load(tensors, meta)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             # Signed by a syncer where the run has keys; a run without keys
             # takes a learner's at its word.
@@ -146,9 +159,26 @@ def rebuild_from_broker(
     if rebuilt:
         log.warning(
             "fragment(s) %s: %s holds no checkpoint of their latest versions; rebuilt from "
-            "the run's latest globals (%s), in their epoch; their momentum starts again "
-            "from zero, and deltas on older versions are refused as stale",
+            "the run's latest globals (%s), in their epoch; momentum estimated from the "
+            "last change for %s, from zero for the rest; deltas on older versions are "
+            "refused as stale",
             rebuilt, checkpoint_dir,
-            ", ".join(f"{p}@v{states[p].version}" for p in rebuilt),
+            ", ".join(f"{p}@v{states[p].version}" for p in rebuilt), estimated or "none",
         )  # fmt: skip
     return rebuilt
+
+
+def _momentum_estimate(
+    change: GlobalFragment | None, latest: GlobalFragment, outer_lr: float
+) -> torch.Tensor | None:
+    """The buffer estimated from the change that made ``latest``
+    (:func:`syncer.outer.momentum_from_change`), or None where there is no
+    such change or it does not decode."""
+    if change is None or (change.epoch, change.version) != (latest.epoch, latest.version):
+        return None
+    if not change.is_change or change.numel != latest.numel:
+        return None
+    try:
+        return momentum_from_change(change.tensor(), outer_lr)
+    except WireError:
+        return None

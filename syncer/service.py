@@ -237,6 +237,7 @@ class Syncer:
                 self.plan,
                 self.checkpoint_dir,
                 cfg.recall_s,
+                cfg.outer.outer_lr,
                 new_state,
             )
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -913,3 +914,49 @@ def test_a_logged_round_that_does_not_follow_is_refused() -> None:
     tensors, meta = state.state()
     with pytest.raises(ConfigError, match="does not follow"):
         state.replay([(state.version + 2, b"", meta)])
+
+
+def test_a_fragment_rebuilt_from_its_latest_version_takes_the_momentum_of_its_change(
+    tmp_path: Path,
+) -> None:
+    """A syncer that lost its checkpoint rebuilds a fragment from the latest
+    version found and the state published with it; the change that made that
+    version (kept by learners) gives the momentum back as the last update,
+    ``-change / lr`` (syncer.outer.momentum_from_change), not zero."""
+    from types import SimpleNamespace
+
+    from broker.fragments import FragmentPlan, ParamSpec
+    from broker.transport import ResumePoint
+    from broker.wire.messages import GlobalFragment
+    from syncer.recovery import rebuild_from_broker
+
+    outer, run = params(codec="int8")
+    lost = FragmentState(0, f32(W0), outer, run, published_s=T0)
+    offer_round1(lost)
+    lost.close(T1)
+    codec = Codec.parse("int8")
+    header = dict(run_id="r", fragment=0, plan_hash="p", epoch=0, version=1, numel=N)
+    change = GlobalFragment(
+        **header, change_from=0, codec=codec, payload=bytes(lost.publication.payload)
+    )
+    latest = GlobalFragment(**header, codec=Codec(), payload=Codec().encode(lost.weights))
+    resume = msgpack.packb(lost.meta(), use_bin_type=True)
+    found = {0: ResumePoint(latest, resume, change)}
+    broker = SimpleNamespace(resume_points=lambda owned, held, wait_s: found)
+    plan = FragmentPlan.build([ParamSpec("w", (N,), "float32")], 1)
+    states: dict[int, FragmentState] = {}
+
+    def new_state(p: int, weights: torch.Tensor) -> FragmentState:
+        return FragmentState(p, weights, outer, run, 1, published_s=T1)
+
+    rebuilt = rebuild_from_broker(broker, states, [0], plan, tmp_path, 4.0, LR, new_state)  # type: ignore[arg-type]
+    assert rebuilt == [0] and states[0].version == 1
+    assert torch.equal(states[0].weights, lost.weights)
+    step = codec.decode(lost.publication.payload, N)
+    assert states[0].momentum is not None
+    torch.testing.assert_close(states[0].momentum, -step / LR)
+    # Without the change (a learner that joined on this version's snapshot): zero.
+    found[0] = ResumePoint(latest, resume)
+    states.clear()
+    rebuild_from_broker(broker, states, [0], plan, tmp_path, 4.0, LR, new_state)  # type: ignore[arg-type]
+    assert states[0].momentum is None

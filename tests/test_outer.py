@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncer.outer import nesterov_step
+from syncer.outer import momentum_from_change, nesterov_step
 
 torch.set_num_threads(1)
 
@@ -76,3 +76,45 @@ def test_inputs_not_mutated() -> None:
     _, first = nesterov_step(w, g, None, 0.7, 0.9)
     first.add_(1.0)
     assert torch.equal(g, g0)
+
+
+def test_the_momentum_estimated_from_the_last_change_is_the_settled_buffer() -> None:
+    """Constant gradients: after the buffer settled, the last change gives it back
+    (up to float rounding); steps from the estimate go on as the real buffer's do,
+    where a buffer restarted from zero falls behind."""
+    lr, mu = 0.7, 0.9
+    g = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    w, buf = torch.zeros(64), None
+    for _ in range(200):
+        before = w
+        w, buf = nesterov_step(w, g, buf, lr, mu)
+    assert buf is not None
+    estimate = momentum_from_change(w - before, lr)
+    torch.testing.assert_close(estimate, buf, rtol=1e-4, atol=1e-4)
+    real, from_estimate, from_zero = (w, buf), (w, estimate), (w, None)
+    for _ in range(5):
+        real = nesterov_step(real[0], g, real[1], lr, mu)
+        from_estimate = nesterov_step(from_estimate[0], g, from_estimate[1], lr, mu)
+        from_zero = nesterov_step(from_zero[0], g, from_zero[1], lr, mu)
+    torch.testing.assert_close(from_estimate[0], real[0], rtol=1e-4, atol=1e-3)
+    assert (from_zero[0] - real[0]).norm() > 10 * (from_estimate[0] - real[0]).norm()
+
+
+def test_the_momentum_estimate_is_the_buffer_on_average_under_noise() -> None:
+    """Noisy gradients around a fixed mean: over many steps the estimate's mean is
+    the buffer's (both ``mean / (1 - mu)``), so a restart keeps the step's pace."""
+    lr, mu = 0.5, 0.9
+    gen = torch.Generator().manual_seed(1)
+    mean = torch.randn(32, generator=gen)
+    w, buf = torch.zeros(32), None
+    estimates, buffers = [], []
+    for step in range(2000):
+        before = w
+        w, buf = nesterov_step(w, mean + torch.randn(32, generator=gen), buf, lr, mu)
+        if step >= 100:
+            estimates.append(momentum_from_change(w - before, lr))
+            buffers.append(buf)
+    torch.testing.assert_close(
+        torch.stack(estimates).mean(0), torch.stack(buffers).mean(0), rtol=0, atol=0.05
+    )
+    torch.testing.assert_close(torch.stack(buffers).mean(0), mean / (1 - mu), rtol=0, atol=0.5)

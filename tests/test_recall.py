@@ -49,11 +49,12 @@ class Holder:
         self.weights: torch.Tensor | None = None
         transport.answer_recalls(self.held)
 
-    def held(self, fragment: int, with_weights: bool) -> GlobalFragment | None:
+    def held(self, fragment: int, with_weights: bool) -> list[GlobalFragment]:
         if self.global_ is None or self.weights is None:
-            return None
-        header = replace(self.global_, payload=b"")
-        return header.held_form(self.weights) if with_weights else header.without_weights()
+            return []
+        if not with_weights:
+            return [self.global_.without_weights()]
+        return [self.global_, self.global_.held_form(self.weights)]  # the change, its version
 
     def take(self) -> bool:
         for g in self.transport.poll(0.05):
@@ -77,9 +78,11 @@ def test_a_syncer_without_its_checkpoint_takes_the_signed_latest_back_not_an_ins
 ) -> None:
     """Two learners hold version 3 (taken as a change): one honest, one an
     enrolled insider that claims a later version and hands over weights of its
-    own with a checksum to match. The successor asks the insider first (the
-    newest claim), finds the run's signature does not hold, counts it, and
-    takes the honest learner's version 3 with the state published with it."""
+    own with a checksum to match, after a change of its own (to steer the
+    successor's momentum). The successor asks the insider first (the newest
+    claim), finds the run's signature holds for neither, counts both, and
+    takes the honest learner's version 3 with the state published with it and
+    the signed change that made it."""
     bind = endpoint()
     first = keyed_syncer(bind, keys_dir)
     learner_keys = RunKeys.load(keys_dir, "learner")
@@ -101,12 +104,16 @@ def test_a_syncer_without_its_checkpoint_takes_the_signed_latest_back_not_an_ins
         honest, insider = holders
         forged = weights(3) + 100.0  # the insider's own weights, as version 9
 
-        def lie(fragment: int, with_weights: bool) -> GlobalFragment | None:
+        def lie(fragment: int, with_weights: bool) -> list[GlobalFragment]:
             assert insider.global_ is not None
             header = replace(insider.global_, payload=b"", version=9)
             if not with_weights:
-                return header.without_weights()
-            return replace(header.held_form(forged), weights_crc=weights_checksum(forged))
+                return [header.without_weights()]
+            # A change of its own to steer the successor's momentum, then its weights.
+            steer = replace(insider.global_, version=9, change_from=8, payload=Codec().encode(
+                torch.full((4,), 1e6)
+            ))  # fmt: skip
+            return [steer, replace(header.held_form(forged), weights_crc=weights_checksum(forged))]
 
         insider.transport.answer_recalls(lie)
         first.close()
@@ -132,8 +139,11 @@ def test_a_syncer_without_its_checkpoint_takes_the_signed_latest_back_not_an_ins
         first.close()
         if successor is not None:
             successor.close()
-    latest, resume = points[0]
+    latest, resume, last_change = points[0]
     assert (latest.epoch, latest.version) == (7, 3)
     assert torch.equal(latest.tensor(), weights(3))
     assert resume == state
-    assert successor.stats.rejected["recall_refused"] == 1
+    # The honest learner's change from version 2, signed: what the momentum is estimated from.
+    assert last_change is not None and (last_change.version, last_change.change_from) == (3, 2)
+    assert torch.equal(last_change.tensor(), weights(3) - weights(2))
+    assert successor.stats.rejected["recall_refused"] == 2  # the insider's change and weights

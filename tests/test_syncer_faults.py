@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -441,10 +442,20 @@ def test_a_zmq_syncer_whose_checkpoint_folder_is_lost_takes_the_learners_latest_
     nothing applied twice. Whether the lost round's global reached the
     learners before the kill is up to the kernel: if it did, the rebuilt
     state knows its deltas when they come again (not merged twice); if not,
-    they are merged anew on the version before."""
+    they are merged anew on the version before. The momentum is estimated
+    from the signed change that made the version taken back."""
     url = f"zmq://127.0.0.1:{free_port_pair()}?ack_timeout_s=0.5"
     learners, lost_round_held = play_through_a_lost_host(tmp_path, url)
     check_applied_once(learners, len(lost_round_held), refusable=frozenset({"stale"}))
+    # Every version past the first reached the learners as a change, which they
+    # keep: the momentum goes on from the one that made a version taken back.
+    said = re.search(
+        r"latest globals \((.*)\), .*momentum estimated from the last change for (.*), from",
+        (tmp_path / "syncer.log").read_text(),
+    )
+    assert said is not None
+    made_by_a_change = [int(p) for p, v in re.findall(r"(\d+)@v(\d+)", said[1]) if int(v) > 0]
+    assert said[2] == (str(made_by_a_change) if made_by_a_change else "none")
 
 
 def globals_in_redis(server: RedisServer) -> list[GlobalFragment]:

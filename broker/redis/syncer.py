@@ -53,7 +53,13 @@ from broker.redis.options import RedisOptions
 from broker.redis.shards import Fence, execute, transaction
 from broker.redis.snapshot_keys import GlobalCheck, SnapshotKeys
 from broker.redis.users import SYNCER_USER
-from broker.transport import MAX_LEARNER_SLOTS, Inbound, SyncerTransport, TransportStats
+from broker.transport import (
+    MAX_LEARNER_SLOTS,
+    Inbound,
+    ResumePoint,
+    SyncerTransport,
+    TransportStats,
+)
 from broker.wire.messages import Delta, GlobalFragment, Heartbeat, Refusal
 
 log = logging.getLogger(__name__)
@@ -333,12 +339,12 @@ class RedisSyncerTransport(SyncerTransport):
 
     def resume_points(
         self, fragments: list[int], held: Mapping[int, Any] | None = None, wait_s: float = 0.0
-    ) -> dict[int, tuple[GlobalFragment, bytes]]:
+    ) -> dict[int, ResumePoint]:
         """Read from the snapshot keys (signatures checked with the run's keys)
         and the resume keys; raises :class:`TransportError` when redis does not
         answer within the socket timeout."""
 
-        def read() -> dict[int, tuple[GlobalFragment, bytes]]:
+        def read() -> dict[int, ResumePoint]:
             latest = self._snapshots.load(fragments, held or {})[0]
             pipe = self._link.client.pipeline(transaction=False)
             pipe.mget([resume_key(self.run_id, p) for p in fragments])
@@ -349,7 +355,7 @@ class RedisSyncerTransport(SyncerTransport):
             found = {}
             for p, state, listed in zip(fragments, states, replies[1:], strict=True):
                 if p in latest and state:
-                    found[p] = (latest[p], state)
+                    found[p] = ResumePoint(latest[p], state)
                     # This shard's syncer (under its lease) writes nothing else:
                     # its next change follows what Redis holds.
                     self._publisher.follow(latest[p], int(listed))

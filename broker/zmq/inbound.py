@@ -125,16 +125,14 @@ class LearnerInbound:
             if p >= self._num_fragments or owner_shard(p, shards) != shard:
                 self._stats.rejected["recall_not_owned"] += 1
                 continue
-            held = self.held_globals(p, recall.weights)
-            if held is None:
-                continue
-            parts = wire.encode_parts(held, self._max_message_bytes)
-            try:
-                send_parts(dealer, parts)
-            except zmq.Again:
-                continue
-            self._stats.messages_sent += 1
-            self._stats.bytes_sent += sum(len(part) for part in parts)
+            for held in self.held_globals(p, recall.weights):
+                parts = wire.encode_parts(held, self._max_message_bytes)
+                try:
+                    send_parts(dealer, parts)
+                except zmq.Again:
+                    break
+                self._stats.messages_sent += 1
+                self._stats.bytes_sent += sum(len(part) for part in parts)
 
     def _handle_refusal(self, refusal: Refusal) -> None:
         if refusal.learner_id != self._learner_id or refusal.incarnation != self._incarnation:

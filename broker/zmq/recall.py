@@ -8,7 +8,9 @@ Two steps. Each peer heard from is asked what it holds (a :class:`Recall`
 without weights: small claims, unchecked). Then, per fragment, the holder of
 the newest claimed version is asked for its weights, which are taken only
 if the run's signature and their checksum hold; a holder whose answer does
-not, or does not come, is passed over for the next. One learner can so
+not, or does not come, is passed over for the next. The holder sends the
+change that made that version first, if it took one: kept where the run's
+signature holds, for the successor's momentum estimate. One learner can so
 delay a takeover (by :data:`ASK_TIMEOUT_S`, once per key it holds), never
 hand it weights the syncers did not sign."""
 
@@ -43,6 +45,7 @@ class _Fetch:
     asked: tuple[Stamp, bytes] | None = None
     asked_at: float = 0.0
     refused: set[bytes] = field(default_factory=set)
+    change: GlobalFragment | None = None  # the asked holder's, checked
 
 
 class Recollection:
@@ -76,6 +79,7 @@ class Recollection:
         self._claims: dict[int, dict[bytes, GlobalFragment]] = {p: {} for p in fragments}
         self._fetches: dict[int, _Fetch] | None = None  # set once claims are in
         self.taken: dict[int, GlobalFragment] = {}
+        self.changes: dict[int, GlobalFragment] = {}  # the change that made a taken version
 
     # -- fed by the receive loop -------------------------------------------
     def heard(self, peer: bytes) -> None:
@@ -85,8 +89,9 @@ class Recollection:
             self._to_ask.append(peer)
 
     def answered(self, peer: bytes, g: GlobalFragment, now: float) -> None:
-        """A peer's claim (no weights) or the weights it was asked for."""
-        if g.fragment not in self._wanted or g.is_change:
+        """A peer's claim (no weights), or the weights it was asked for or the
+        change that made them."""
+        if g.fragment not in self._wanted:
             self._stats.rejected["recall_unasked"] += 1
         elif g.is_weightless:
             self._claim(peer, g, now)
@@ -109,8 +114,16 @@ class Recollection:
             self._stats.rejected["recall_unasked"] += 1
             return
         stamp = fetch.asked[0]
+        if g.is_change:
+            if (g.epoch, g.version) == stamp and self._signed(g):
+                fetch.change = g
+            else:
+                self._stats.rejected["recall_refused"] += 1
+            return
         if (g.epoch, g.version) == stamp and self._checks(g):
             self.taken[g.fragment] = g
+            if fetch.change is not None:
+                self.changes[g.fragment] = fetch.change
             del fetches[g.fragment]
             return
         self._stats.rejected["recall_refused"] += 1
@@ -121,8 +134,11 @@ class Recollection:
         fetch.refused.add(peer)
         fetch.asked = None
 
+    def _signed(self, g: GlobalFragment) -> bool:
+        return self._verifier is None or self._verifier.verify(g)
+
     def _checks(self, g: GlobalFragment) -> bool:
-        if g.codec != Codec() or (self._verifier is not None and not self._verifier.verify(g)):
+        if g.codec != Codec() or not self._signed(g):
             return False
         try:
             return weights_checksum(g.tensor()) == g.weights_crc
@@ -148,7 +164,7 @@ class Recollection:
             while fetch.asked is None and fetch.holders:
                 stamp, peer = fetch.holders.pop(0)
                 if peer not in fetch.refused:
-                    fetch.asked, fetch.asked_at = (stamp, peer), now
+                    fetch.asked, fetch.asked_at, fetch.change = (stamp, peer), now, None
                     out.append((peer, self._recall([p], True)))
         return out
 

@@ -15,7 +15,13 @@ import zmq
 from broker.checks import check_positive
 from broker.identity.keys import FileWatch, RunKeys
 from broker.identity.signing import GlobalSigner, GlobalVerifier
-from broker.transport import MAX_LEARNER_SLOTS, Inbound, SyncerTransport, TransportStats
+from broker.transport import (
+    MAX_LEARNER_SLOTS,
+    Inbound,
+    ResumePoint,
+    SyncerTransport,
+    TransportStats,
+)
 from broker.wire import messages as wire
 from broker.wire.codecs import Codec
 from broker.wire.fields import MAX_LIST_LEN, MAX_RESUME_BYTES
@@ -247,10 +253,10 @@ class ZmqSyncerTransport(SyncerTransport):
 
     def resume_points(
         self, fragments: list[int], held: Mapping[int, Any] | None = None, wait_s: float = 0.0
-    ) -> dict[int, tuple[GlobalFragment, bytes]]:
+    ) -> dict[int, ResumePoint]:
         """The learners' latest signed versions of the owned ``fragments`` not in
         ``held`` (:class:`~broker.zmq.recall.Recollection`), each with the
-        syncer state published with it. Waits up to ``wait_s`` for the
+        syncer state published with it and the change that made it. Waits up to ``wait_s`` for the
         learners' claims, then as long as their weights take; deltas and
         heartbeats that come meanwhile are handed out by the next receive."""
         wanted = sorted(p for p in fragments if p in self.fragments and p not in (held or {}))
@@ -272,7 +278,10 @@ class ZmqSyncerTransport(SyncerTransport):
             "recall: %d fragment(s) claimed by learners (%s), %d taken back",
             len(claimed), ", ".join(f"{p}: {n}" for p, n in claimed.items()), len(recall.taken),
         )  # fmt: skip
-        return {p: (g, bytes(g.resume)) for p, g in recall.taken.items()}
+        return {
+            p: ResumePoint(g, bytes(g.resume), recall.changes.get(p))
+            for p, g in recall.taken.items()
+        }
 
     def refuse(self, item: Inbound, reason: str) -> None:
         d = item.message
