@@ -37,6 +37,7 @@ from syncer.aggregation import normalised_weights
 from syncer.buffers import DeltaBuffers, PackedDelta, PackedRows
 from syncer.config import OuterConfig
 from syncer.merge import CompiledMerge, Merge, OuterState, Round, TorchMerge
+from syncer.outer import momentum_from_change
 from syncer.quorum import Round as OpenRound
 from syncer.trust import ReportLimits
 from syncer.versions import Publication, Versions, canonical
@@ -368,7 +369,9 @@ class FragmentState:
         it, and the small state (de-duplication, token accounting, quarantine
         windows) is the last round's. The master becomes the last version,
         losing its lead (the rounding error not yet published, which the log
-        does not hold), and the momentum stays the loaded one."""
+        does not hold), and the momentum stays the loaded one; where none was
+        loaded, it is estimated from the last change
+        (:func:`syncer.outer.momentum_from_change`)."""
         newer = [r for r in records if r[0] > self.version]
         for version, change, meta in newer:
             if version != self.version + 1 or meta.get("epoch", self.epoch) != self.epoch:
@@ -383,7 +386,11 @@ class FragmentState:
             self.versions.push(rebuilt, Publication(change, codec, True, 0), published_s)
         if not newer:
             return
+        momentum = self.momentum
+        if momentum is None:
+            last = Codec.parse(newer[-1][2]["codec"]).decode(newer[-1][1], self.numel)
+            momentum = momentum_from_change(last, self.outer.outer_lr)
         self.versions.restarted(self.codec)
-        self.outer_state = OuterState(self.weights, self.momentum)
+        self.outer_state = OuterState(self.weights, momentum)
         self.merge.reset()
         self.admission.load(newer[-1][2])

@@ -64,6 +64,10 @@ class SnapshotKeys:
         self._run_id = run_id
         self._check = check
         self._snapshots_unless_held = ReadScript(client, SNAPSHOTS_UNLESS_HELD)
+        # Per fragment, the change that made the latest version the last load
+        # read, where it read changes (not when the snapshot key holds that
+        # version's weights itself): a successor's momentum estimate.
+        self.last_changes: dict[int, GlobalFragment] = {}
 
     def latest(self, fragments: list[int]) -> dict[int, GlobalFragment]:
         """The latest global of each of ``fragments`` that has one (with weights)."""
@@ -84,6 +88,8 @@ class SnapshotKeys:
         )
         last_id, answers = reply[0] or None, reply[1:]
         found: dict[int, GlobalFragment] = {}
+        for p in fragments:
+            self.last_changes.pop(p, None)
         for p, (frame, changes) in zip(fragments, answers, strict=True):
             g = self._global(p, frame)
             if g is None:
@@ -129,4 +135,6 @@ class SnapshotKeys:
         if weights_checksum(weights) != latest.weights_crc:
             self._check.stats.rejected["diverged"] += 1
             return None
+        if latest.is_change:
+            self.last_changes[snapshot.fragment] = latest
         return latest.without_weights().with_weights(weights)

@@ -355,7 +355,7 @@ class RedisSyncerTransport(SyncerTransport):
             found = {}
             for p, state, listed in zip(fragments, states, replies[1:], strict=True):
                 if p in latest and state:
-                    found[p] = ResumePoint(latest[p], state)
+                    found[p] = ResumePoint(latest[p], state, self._snapshots.last_changes.get(p))
                     # This shard's syncer (under its lease) writes nothing else:
                     # its next change follows what Redis holds.
                     self._publisher.follow(latest[p], int(listed))
