@@ -474,6 +474,8 @@ def local_syncer(
     cmd += [
         f"--checkpoint-dir={folder / 'checkpoint'}",
         f"--metrics-file={folder / 'syncer.jsonl'}",
+        # Its learners start once it serves: none holds a global to take back.
+        "--recall-s=0",
     ]
     log_file = open(folder / "syncer.log", "ab")  # noqa: SIM115 (closed below)
     syncer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file)

@@ -909,6 +909,30 @@ def test_a_full_state_and_the_logged_rounds_after_it_restore_the_fragment(codec:
     assert fresh.close(T1 + 10).version == 7
 
 
+def test_a_replay_onto_a_state_without_momentum_estimates_it_from_the_last_change() -> None:
+    """The first full state of a run, or of a rebuilt fragment, holds no
+    momentum: replayed rounds then leave it estimated from the last logged
+    change (``-change / lr``, syncer.outer.momentum_from_change), not zero."""
+    codec = Codec.parse("int8")
+    state = FragmentState(0, f32(W0), *params(quorum=1, codec="int8"), published_s=T0)
+    full = state.state()
+    gen = np.random.default_rng(1)
+    records = []
+    for seq in range(1, 4):
+        assert (
+            offer(state, delta("a", seq, state.version, step=4 * seq), gen.normal(0, 0.1, N))
+            == ACCEPTED
+        )
+        state.close(T1 + seq)
+        records.append((state.version, bytes(state.publication.payload), state.meta()))
+    fresh = FragmentState(0, torch.zeros(N), *params(quorum=1, codec="int8"), published_s=T0)
+    fresh.load({k: v.clone() for k, v in full[0].items()}, full[1])
+    assert fresh.momentum is None
+    fresh.replay(records)
+    assert fresh.momentum is not None
+    torch.testing.assert_close(fresh.momentum, -codec.decode(records[-1][1], N) / LR)
+
+
 def test_a_logged_round_that_does_not_follow_is_refused() -> None:
     state = two_rounds("int8")
     tensors, meta = state.state()

@@ -99,6 +99,11 @@ class SyncerProcess:
         self.log = open(tmp_path / "syncer.log", "ab")  # noqa: SIM115 (closed in stop())
 
     def start(self, *extra: str) -> None:
+        """Start (or start again) the syncer. Its first start asks no learner for
+        the run's latest globals (``--recall-s 0``, as ``ddiloco local`` starts
+        it): its learners start after it and hold none."""
+        if self.proc is None:
+            extra = ("--recall-s", "0", *extra)
         args = [
             sys.executable,
             "-m",
