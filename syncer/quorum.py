@@ -187,7 +187,7 @@ class Roster:
         marks: Mapping[str, PaceMark] | None = None,
     ) -> None:
         """``members`` and ``marks``: what a restarted syncer's checkpoint knows
-        (:meth:`syncer.fragment_state.FragmentState.pace_marks`)."""
+        (:func:`syncer.trust.restart_marks`)."""
         if cap < 1:
             raise ConfigError(f"roster cap must be >= 1, got {cap}")
         self.cap = cap
@@ -204,6 +204,10 @@ class Roster:
         # the mark the next is measured from, and the last PACE_WINDOW samples.
         self.pace_s: dict[str, deque[float]] = {}
         self._pace_mark: dict[str, PaceMark] = dict(marks or {})
+        # Members whose mark is still the restart's: the interval from it spans
+        # the outage, and the deltas that come first were mostly made before it
+        # (sent again once acks stopped), so it bounds its delta but is no sample.
+        self._restart_marked: set[str] = set(self._pace_mark)
         self._typical: dict[str, float] = {}  # the median of each member's samples
 
     def __contains__(self, learner: str) -> bool:
@@ -247,6 +251,7 @@ class Roster:
             self.step_s.pop(evicted, None)
             self.pace_s.pop(evicted, None)
             self._pace_mark.pop(evicted, None)
+            self._restart_marked.discard(evicted)
             self._typical.pop(evicted, None)
         self.members.add(learner)
         self.last_heard[learner] = now
@@ -279,12 +284,20 @@ class Roster:
         for longer is not slower than that when it goes on). A sample of 0 (a
         delta of the same instant as its previous one) bounds that delta only
         (:meth:`credited_step_s`) and is not kept: the interval after it counts
-        those steps."""
+        those steps. Nor is the interval from a restart's mark (see
+        ``_restart_marked``): deltas made before the outage and sent again after
+        it show an honest learner as slow as the outage was long, which bound
+        its next deltas (made during the outage, covering it) at the floor."""
         if learner not in self.members:
             return
-        pace, mark = delta_pace(self._pace_mark.get(learner), incarnation, step, wall_s)
+        held = self._pace_mark.get(learner)
+        pace, mark = delta_pace(held, incarnation, step, wall_s)
         if mark is not None:
             self._pace_mark[learner] = mark
+        if learner in self._restart_marked:
+            if mark is not held:  # measured from this delta from now on
+                self._restart_marked.discard(learner)
+            return
         if pace is not None and pace > 0:
             window = self.pace_s.setdefault(learner, deque(maxlen=PACE_WINDOW))
             window.append(min(pace, self.heartbeat_timeout_s))

@@ -390,7 +390,9 @@ def test_a_restarted_syncer_bounds_a_first_delta_by_the_learners_pace_not_the_fl
     state). The learner's first delta after the 30 s outage covers 60 steps,
     past the floor of 2 H = 4: its pace since its last merged delta (30 s for
     60 steps) bounds it, and it is taken (it was refused at the floor, and its
-    learner's progress thrown away). A claim past even that pace is refused."""
+    learner's progress thrown away). A claim past even that pace is refused.
+    The interval from the restart's mark bounds that delta but is no sample of
+    the learner's pace (below)."""
     clock, wall = Clock(1.0), Clock(T0)
     first = make_syncer(tmp_path, free_port_pair(), quorum=1, learners=1, clocks=(clock, wall))
     first.handle([Inbound(delta_of(first, "a", 1, 40, 4))])
@@ -401,9 +403,34 @@ def test_a_restarted_syncer_bounds_a_first_delta_by_the_learners_pace_not_the_fl
     try:
         second.handle([Inbound(delta_of(second, "a", 2, 100, 60))])
         assert second.metrics.rejected == {}
-        assert second.roster.pace_times()["a"] == pytest.approx(0.5)
+        assert "a" not in second.roster.pace_times()
+        clock.t, wall.t = clock.t + 1, wall.t + 1  # 1 s for 1 step: its pace from here
         second.handle([Inbound(delta_of(second, "a", 3, 101, 10**6))])
         assert second.metrics.rejected == {"too_many_steps": 1}
+    finally:
+        second.transport.close()
+
+
+def test_deltas_sent_again_after_a_restart_do_not_make_their_learner_look_slow(
+    tmp_path: Path,
+) -> None:
+    """A learner's delta at step 40 is merged, then the syncer dies. The
+    learner's next delta (step 44, made just before) is sent again once the
+    syncer is back 30 s later: from the restart's mark it shows 7.5 s a step.
+    Had that been a sample of the learner's pace, its next delta, made over
+    the outage (60 steps on a version as old), would be bounded by it and
+    refused; it is taken."""
+    clock, wall = Clock(1.0), Clock(T0)
+    first = make_syncer(tmp_path, free_port_pair(), quorum=1, learners=1, clocks=(clock, wall))
+    first.handle([Inbound(delta_of(first, "a", 1, 40, 4))])
+    first.shutdown()
+    clock.t, wall.t = 31.0, wall.t + 30
+    second = make_syncer(tmp_path, free_port_pair(), quorum=1, learners=1, clocks=(clock, wall))
+    try:
+        second.handle([Inbound(delta_of(second, "a", 2, 44, 4))])  # made before the outage
+        clock.t, wall.t = clock.t + 0.1, wall.t + 0.1
+        second.handle([Inbound(delta_of(second, "a", 3, 104, 60))])  # made over it
+        assert second.metrics.rejected == {}
     finally:
         second.transport.close()
 
