@@ -199,6 +199,7 @@ class Roster:
         self.created_at = now
         self.last_heard: dict[str, float] = {}
         self.last_delta: dict[str, float] = {}  # when each member's last delta was accepted
+        self._last_message: float | None = None  # when anyone was last heard from
         self.step_s: dict[str, Ema] = {}  # the step times its heartbeats report
         # Each member's pace, read from its accepted deltas (syncer.trust.delta_pace):
         # the mark the next is measured from, and the last PACE_WINDOW samples.
@@ -237,9 +238,28 @@ class Roster:
             or self._evictable(now) is not None
         )
 
+    def _excuse_silence(self, now: float) -> None:
+        """Nobody at all was heard from for longer than the heartbeat timeout:
+        the syncer could not hear (its broker failed over or restarted, or it
+        was stopped), not every learner died at once. The members that were
+        live when it went quiet are live again for what was left of their
+        timeout, and their deltas as recent: else the first learner heard from
+        after the outage was the only live one, rounds closed on its deltas
+        alone at once, versions raced ahead, and every other learner's deltas
+        from the outage came in stale (65 refused after a Sentinel failover in
+        compose, the learners' progress of those 11 s thrown away)."""
+        last, self._last_message = self._last_message, now
+        if last is None or now - last <= self.heartbeat_timeout_s:
+            return
+        silence = now - last
+        for times in (self.last_heard, self.last_delta):
+            for member in times:
+                times[member] += silence
+
     def join(self, learner: str, now: float) -> str | None:
         """An accepted delta: the learner is on the roster, and live. Returns the
         member it displaced, if any."""
+        self._excuse_silence(now)
         evicted = None
         if learner not in self.members and len(self.members) >= self.cap:
             evicted = self._evictable(now)
@@ -271,6 +291,7 @@ class Roster:
         """
         if learner not in self.members:
             return False
+        self._excuse_silence(now)
         self.last_heard[learner] = now
         if step_time_s > 0:
             ema = self.step_s.setdefault(learner, Ema(self.ema_alpha))

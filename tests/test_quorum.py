@@ -315,3 +315,25 @@ def test_heartbeats_alone_do_not_hold_rounds_open() -> None:
     # Its deltas arrive again: waited for again.
     roster.join("b", now + 1.0)
     assert roster.waited_for(now + 1.0, h) == {"a", "b"}
+
+
+def test_a_silence_of_everyone_is_the_syncers_not_the_learners() -> None:
+    """Three members live, one long dead; then nobody is heard from for 12 s
+    (the broker failing over). The first one heard from after it is not the
+    only live one: those live when it went quiet are live for what was left
+    of their timeout, and still waited for; the dead one stays dead. A
+    learner's silence alone (the others heard) still counts."""
+    roster = Roster(8, TIMEOUT, now=0.0)
+    for name in ("dead", "a", "b", "c"):
+        roster.join(name, 0.0)
+    for t in range(1, 12):  # a, b and c heard every second; "dead" no more
+        for name in ("a", "b", "c"):
+            roster.heard(name, float(t), step_time_s=0.5)
+    for name in ("a", "b", "c"):
+        roster.join(name, 11.0)  # a delta each
+    roster.heard("a", 23.0)  # after 12 s of silence
+    assert roster.live(23.0) == {"a", "b", "c"}
+    assert roster.waited_for(23.0, sync_every=4) == {"a", "b", "c"}
+    assert roster.live(23.5 + TIMEOUT) == set()  # all quiet since
+    roster.heard("b", 24.0)  # heard: no silence of everyone, c's counts
+    assert "c" not in roster.live(29.0 + TIMEOUT)

@@ -394,7 +394,10 @@ def test_every_refusal_is_counted_by_reason(tmp_path: Path) -> None:
         syncer.handle([delta_on(syncer, "a", 3, 0.1), delta_on(syncer, "b", 2, 100.0)])
         assert syncer.metrics.rounds == 2 and syncer.metrics.rejected["quarantined"] == 1
         assert syncer.states[0].applied["b"] == (1, 1)  # its refused delta used no key
-        clock.t = 20.0  # b silent since 4.0: z may take its place
+        for t in range(5, 20, 4):  # a heard all along, b silent since 4.0
+            clock.t = float(t)
+            syncer.handle([heartbeat("a")])
+        clock.t = 20.0  # z may take b's place
         syncer.handle([heartbeat("a"), delta_on(syncer, "z", 2, 0.1)])
         assert sorted(syncer.roster.members) == ["a", "z"]
         syncer.shutdown()  # merges z's delta, writes the summary
