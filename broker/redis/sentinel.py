@@ -37,8 +37,9 @@ QUORUM = 2
 # failover takes about this plus one second.
 DOWN_AFTER_MS = 2000
 # A failover that did not end within this is tried again (by another Sentinel
-# after twice this).
-FAILOVER_TIMEOUT_MS = 5_000
+# after twice this): also one that found no replica fit to promote, since a
+# Sentinel asks replicas for their state only every 10 s (6 s later, not 10).
+FAILOVER_TIMEOUT_MS = 3_000
 # What members may ask a Sentinel: where the primary and the others are. Not
 # SENTINEL SET, FAILOVER, RESET, REMOVE or MONITOR, which would let any member
 # move the run's data where it likes.
