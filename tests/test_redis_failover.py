@@ -70,10 +70,16 @@ def test_the_errors_of_a_failover_are_transient() -> None:
     assert not is_transient(redis.ResponseError("WRONGTYPE Operation against a key"))
 
 
+# What every container's resolver is told (compose.yaml, x-settings): a name
+# that does not resolve fails in one second, not ten.
+ONE_SECOND_LOOKUPS = "timeout:1 attempts:1"
+
+
 def test_compose_runs_each_server_with_the_script_and_settings_the_tests_run() -> None:
     """compose.sentinel.yaml: both servers run compose/redis-node.sh with the
     variables tests/failover.py gives it, the Sentinels the configuration
-    `ddiloco keys sentinel` writes, and every service the sentinel URL."""
+    `ddiloco keys sentinel` writes, every service the sentinel URL, and every
+    container one-second name lookups."""
     spec = yaml.safe_load((COMPOSE / "compose.sentinel.yaml").read_text())
     assert spec["secrets"]["redis-node.sh"]["file"] == f"./{REDIS_NODE.name}"
     script_env = {
@@ -83,12 +89,18 @@ def test_compose_runs_each_server_with_the_script_and_settings_the_tests_run() -
     for name in ("redis", "redis-replica"):
         service = spec["services"][name]
         assert "sh /run/secrets/redis-node.sh" in service["entrypoint"][-2]
-        assert set(service["environment"]) == script_env
+        assert {v for v in service["environment"] if v.startswith("DDILOCO_")} == script_env
         assert service["environment"]["DDILOCO_REDIS_NODE"] == f"{name}:6379"
+        assert service["environment"]["RES_OPTIONS"] == ONE_SECOND_LOOKUPS
     for i in (1, 2, 3):
         sentinel = spec["services"][f"sentinel-{i}"]
         assert SENTINEL_CONF in sentinel["secrets"]
         assert "--sentinel" in sentinel["entrypoint"][-1]
+        # A lookup of a server that is down must not stall a Sentinel into TILT.
+        assert sentinel["environment"]["RES_OPTIONS"] == ONE_SECOND_LOOKUPS
+    base = yaml.safe_load((COMPOSE / "compose.yaml").read_text())
+    for name, service in base["services"].items():
+        assert service["environment"]["RES_OPTIONS"] == ONE_SECOND_LOOKUPS, name
     for name in ("syncer", "evaluator", "reporter", "learner"):
         url = spec["services"][name]["environment"]["DDILOCO_URL"]
         address = parse_sentinel_url(url)
