@@ -380,16 +380,16 @@ class FragmentState:
                     f"not follow version {self.version}"
                 )
             codec = Codec.parse(meta["codec"])
-            rebuilt = apply_change(self.weights, codec.decode(change, self.numel))
+            decoded = codec.decode(change, self.numel)
+            rebuilt = apply_change(self.weights, decoded)
             # Its checksum is not needed: only the last version goes out, whole.
             published_s = float(meta.get("published_at", {}).get(str(version), 0.0))
             self.versions.push(rebuilt, Publication(change, codec, True, 0), published_s)
         if not newer:
             return
         momentum = self.momentum
-        if momentum is None:
-            last = Codec.parse(newer[-1][2]["codec"]).decode(newer[-1][1], self.numel)
-            momentum = momentum_from_change(last, self.outer.outer_lr)
+        if momentum is None:  # ``decoded``: the last logged change
+            momentum = momentum_from_change(decoded, self.outer.outer_lr)
         self.versions.restarted(self.codec)
         self.outer_state = OuterState(self.weights, momentum)
         self.merge.reset()

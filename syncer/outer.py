@@ -42,7 +42,7 @@ def momentum_from_change(change: torch.Tensor, lr: float) -> torch.Tensor:
     buffer is the last update, ``-(w_t - w_(t-1)) / lr``, exact for constant
     gradients, and on average for noisy ones. Restarting from it rather than
     from zero keeps the outer step's pace (from zero the next step is 1.9 g
-    where the settled one is 10 g at mu = 0.9, for about ten rounds). With a lossy
-    global codec the change carries its rounding error too.
+    where the settled one is 10 g at mu = 0.9, for about ten rounds). With a
+    lossy global codec the change carries its rounding error too.
     """
     return change.to(torch.float32).mul(-1.0 / lr)

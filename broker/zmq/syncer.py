@@ -256,9 +256,10 @@ class ZmqSyncerTransport(SyncerTransport):
     ) -> dict[int, ResumePoint]:
         """The learners' latest signed versions of the owned ``fragments`` not in
         ``held`` (:class:`~broker.zmq.recall.Recollection`), each with the
-        syncer state published with it and the change that made it. Waits up to ``wait_s`` for the
-        learners' claims, then as long as their weights take; deltas and
-        heartbeats that come meanwhile are handed out by the next receive."""
+        syncer state published with it and the change that made it. Waits up
+        to ``wait_s`` for the learners' claims, then as long as their weights
+        take; deltas and heartbeats that come meanwhile are handed out by the
+        next receive."""
         wanted = sorted(p for p in fragments if p in self.fragments and p not in (held or {}))
         if not wanted or wait_s <= 0:
             return {}
